@@ -1,0 +1,148 @@
+"""Public entry point ``decode_attention`` with input checks and backend selection."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from .kitchen import kitchen_decode_attention, kitchen_reason
+from .reference import masked_decode_attention, torch_decode_attention
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "kitchen", "torch", "masked")
+GRAPH_SAFE = frozenset({"triton", "kitchen", "masked"})
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HEAD_DIMS = (64, 128, 256)
+MAX_ROWS = 8
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_module():
+    try:
+        from . import triton_decode
+    except Exception as exc:  # no triton wheel for this platform, or a broken install
+        return None, f"Triton is not usable here ({type(exc).__name__}: {exc})"
+    return triton_decode, None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_reason(q: torch.Tensor) -> str | None:
+    """None when the Triton kernel can run on q's device, else why not (one line)."""
+    mod, why = _triton_module()
+    if mod is None:
+        return why
+    if q.device.type == "cuda":
+        return None
+    if q.device.type == "cpu" and _interpreting():
+        return None
+    return f"Triton needs a CUDA/ROCm device (got {q.device.type}; set TRITON_INTERPRET=1 to test on CPU)"
+
+
+def _check(q, k_cache, v_cache, lengths) -> None:
+    if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, lengths)):
+        raise ValueError("decode_attention: q, k_cache, v_cache and lengths must be torch tensors")
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            f"decode_attention: expected q [B,Hq,S,D] and caches [B,Hkv,C,D], got q {tuple(q.shape)}, "
+            f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"decode_attention: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must have the same shape")
+    b_sz, hq, s, d = q.shape
+    kb, hkv, cap, kd = k_cache.shape
+    if kb != b_sz or kd != d:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} and caches {tuple(k_cache.shape)} "
+                         "disagree on batch or head_dim")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"decode_attention: query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if d not in _HEAD_DIMS:
+        raise ValueError(f"decode_attention: head_dim {d} is not supported; use one of {_HEAD_DIMS}")
+    if not 1 <= s <= MAX_ROWS:
+        raise ValueError(f"decode_attention: S={s} new rows; decode supports 1..{MAX_ROWS} "
+                         "(use a prefill attention for longer chunks)")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"decode_attention: dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}; "
+                         "all three must be one of bfloat16, float16, float32")
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (b_sz,):
+        raise ValueError(f"decode_attention: lengths must be int32 of shape [{b_sz}], got "
+                         f"{lengths.dtype} {tuple(lengths.shape)}")
+    devices = {t.device for t in (q, k_cache, v_cache, lengths)}
+    if len(devices) != 1:
+        raise ValueError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+_AUTO_CHOICE: dict[tuple, str] = {}
+_SAID: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _SAID:
+        _SAID.add(msg)
+        log.warning(msg)
+
+
+def resolve_backend(q: torch.Tensor, scale: float) -> str:
+    """The backend ``"auto"`` uses for this shape/dtype/device (decided once, logged once).
+
+    Preference: triton (flat in capacity, fastest in our benchmark), then kitchen where its native
+    kernel applies, then torch. ``"masked"`` is never chosen.
+    """
+    key = (q.device.type, q.dtype, tuple(q.shape[1:]), round(scale, 12))
+    choice = _AUTO_CHOICE.get(key)
+    if choice is not None:
+        return choice
+    on_cpu = q.device.type == "cpu"
+    t_why = "the CPU runs the torch path" if on_cpu else triton_reason(q)
+    if t_why is None:
+        choice = "triton"
+    else:
+        k_why = kitchen_reason(q, scale)
+        choice = "kitchen" if k_why is None else "torch"
+        if not on_cpu:
+            _say_once(f"decode_attention: Triton kernel unavailable ({t_why}); using '{choice}'"
+                      + ("" if choice == "kitchen" else f" (kitchen: {k_why})")
+                      + ". Cost still follows the filled length; the torch path syncs with the host "
+                      "and cannot be captured in CUDA graphs.")
+    _AUTO_CHOICE[key] = choice
+    log.info("decode_attention: backend 'auto' -> '%s' for q %s %s on %s", choice,
+             tuple(q.shape[1:]), q.dtype, q.device.type)
+    return choice
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor, *, causal: bool = True, scale: float | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """Attention of S new query rows over a fixed-capacity KV cache whose cost follows the filled length.
+
+    q ``[B,Hq,S,D]``; k_cache, v_cache ``[B,Hkv,C,D]``; lengths int32 ``[B]`` on q's device = filled
+    slots including the S new rows (clamped to ``[0, C]``). Causal row j sees slots
+    ``< lengths[b] - S + 1 + j``; non-causal rows see ``< lengths[b]``. Query head h reads kv head
+    ``h // (Hq // Hkv)``. D in {64,128,256}, 1 <= S <= 8, all of bf16/fp16/fp32 (one dtype).
+    Returns ``[B,Hq,S,D]`` contiguous in q's dtype; a row that sees no slot is zeros. ``scale``
+    defaults to ``D**-0.5``. Slots at or past the visible limit are never read by the
+    length-aware backends (``triton``, ``kitchen``, ``torch``), so their content does not matter.
+    """
+    _check(q, k_cache, v_cache, lengths)
+    if backend not in BACKENDS:
+        raise ValueError(f"decode_attention: unknown backend {backend!r}; choose one of {BACKENDS}")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if backend == "auto":
+        backend = resolve_backend(q, scale)
+    if backend == "triton":
+        why = triton_reason(q)
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run: {why}; use backend='auto'")
+        mod, _ = _triton_module()
+        return mod.triton_decode_attention(q, k_cache, v_cache, lengths, causal, scale)
+    if backend == "kitchen":
+        return kitchen_decode_attention(q, k_cache, v_cache, lengths, causal, scale).contiguous()
+    if backend == "torch":
+        return torch_decode_attention(q, k_cache, v_cache, lengths, causal, scale)
+    return masked_decode_attention(q, k_cache, v_cache, lengths, causal, scale)

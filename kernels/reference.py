@@ -1,0 +1,76 @@
+"""Torch backends of decode attention: the length-aware reference and the capacity-bound baseline.
+
+``torch_decode_attention`` reads only the filled slots (it syncs the lengths to the host, so it is
+not CUDA-graph safe). ``masked_decode_attention`` reproduces what ComfyUI does today: grouped q.K
+over the whole capacity, an additive bias that hides the empty tail, fp32 softmax, then .V. It is
+kept for A/B benchmarks only and is never chosen by ``backend="auto"``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def visible_limits(lengths: torch.Tensor, capacity: int, s: int, causal: bool) -> torch.Tensor:
+    """Per-row visible slot count: int64 ``[B, S]`` from int32 ``lengths [B]`` clamped to ``[0, C]``.
+
+    Causal row j sees slots ``< L - S + 1 + j``; non-causal rows see ``< L``. Values may be <= 0
+    (row sees nothing).
+    """
+    lens = lengths.to(torch.int64).clamp(0, capacity).view(-1, 1)
+    if not causal:
+        return lens.expand(-1, s)
+    return lens - s + 1 + torch.arange(s, device=lengths.device, dtype=torch.int64).view(1, s)
+
+
+def torch_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float):
+    """Length-aware reference. q ``[B,Hq,S,D]``, caches ``[B,Hkv,C,D]`` -> ``[B,Hq,S,D]`` in q's dtype.
+
+    Computes in fp32 over ``k_cache[b, :, :L_b]`` only; rows that see no slot are zeros.
+    """
+    b_sz, hq, s, d = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    limits = visible_limits(lengths, cap, s, causal).cpu()  # host sync: not graph safe
+    out = torch.zeros(b_sz, hq, s, d, dtype=torch.float32, device=q.device)
+    for b in range(b_sz):
+        filled = int(limits[b].max().clamp(min=0))
+        if filled == 0:
+            continue
+        k = k_cache[b, :, :filled].float()  # [Hkv, L, D]
+        v = v_cache[b, :, :filled].float()
+        qg = q[b].float().reshape(hkv, g * s, d)  # rows ordered (head-in-group, s)
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [Hkv, G*S, L]
+        row_limit = limits[b].to(q.device).repeat(g).view(1, g * s, 1)
+        slot = torch.arange(filled, device=q.device).view(1, 1, filled)
+        scores = scores.masked_fill(slot >= row_limit, float("-inf"))
+        row_max = scores.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        p = torch.exp(scores - row_max)
+        denom = p.sum(-1, keepdim=True)
+        o = torch.matmul(p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        out[b] = o.reshape(hq, s, d)
+    return out.to(q.dtype)
+
+
+def masked_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float):
+    """Capacity-bound baseline (today's ComfyUI): cost grows with C, whatever the filled length.
+
+    q ``[B,Hq,S,D]``, caches ``[B,Hkv,C,D]`` -> ``[B,Hq,S,D]``. K/V are not repeated: q is grouped
+    per kv head. The bias is 0 for visible slots and -inf elsewhere, added to fp32 scores. Rows
+    that see no slot are set to zeros, as the other backends do.
+    """
+    b_sz, hq, s, d = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b_sz, hkv, g * s, d)
+    scores = torch.matmul(qg, k_cache.transpose(-1, -2)) * scale  # [B, Hkv, G*S, C]
+    limits = visible_limits(lengths, cap, s, causal)  # [B, S]
+    slot = torch.arange(cap, device=q.device).view(1, 1, cap)
+    bias = torch.zeros(b_sz, s, cap, device=q.device, dtype=torch.float32)
+    bias.masked_fill_(slot >= limits.unsqueeze(-1), float("-inf"))
+    bias = bias.unsqueeze(1).repeat(1, g, 1, 1).reshape(b_sz, 1, g * s, cap)
+    probs = torch.softmax(scores.float() + bias, dim=-1).to(v_cache.dtype)
+    out = torch.matmul(probs, v_cache).reshape(b_sz, hq, s, d)
+    empty = (limits <= 0).view(b_sz, 1, s, 1)
+    return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)

@@ -1,0 +1,187 @@
+"""Length-aware split-KV decode attention in Triton.
+
+Two launches over a fixed grid, so one CUDA graph serves every length:
+
+1. ``_split_kernel`` grid ``(B * Hkv * row_blocks, n_split)``. Each program reads ``L = lengths[b]``
+   on the device, cuts ``[0, L)`` into ``n_split`` chunks (a whole number of ``BLOCK_N`` tiles
+   each) and runs online softmax over its chunk for all query rows of one kv head: the G query
+   heads of the group times the S new rows share each K/V tile, so K/V are read once per kv head.
+   A program whose chunk is empty exits at once, so busy programs and bytes follow L, never C.
+2. ``_combine_kernel`` grid ``(B * Hq * S,)`` merges the active splits of one row by their
+   log-sum-exp and writes the output in q's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, LENS, OP, LSEP,
+    sq_b, sq_h, sq_s, sk_b, sk_h, sk_c, sv_b, sv_h, sv_c,
+    cap, hkv, n_mb, scale_log2,
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    mb = pid % n_mb
+    bh = pid // n_mb
+    b = bh // hkv
+    kh = bh % hkv
+
+    length = tl.load(LENS + b)
+    length = tl.minimum(tl.maximum(length, 0), cap)
+    per = tl.cdiv(tl.cdiv(length, N_SPLIT), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(start + per, length)
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # row = head_in_group * S + s
+    row_ok = rows < G * S
+    hl = rows // S
+    j = rows % S
+    if CAUSAL:
+        limit = length - S + 1 + j
+    else:
+        limit = length + 0 * j
+    part = (bh * N_SPLIT + split) * (G * S) + rows  # partial-row index
+    if end <= start:
+        tl.store(LSEP + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        return
+
+    offs_d = tl.arange(0, D)
+    q_ptr = Q + b * sq_b + (kh * G + hl)[:, None] * sq_h + j[:, None] * sq_s + offs_d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
+    k_base = K + b * sk_b + kh * sk_h
+    v_base = V + b * sv_b + kh * sv_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        k = tl.load(k_base + offs_n[:, None] * sk_c + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * scale_log2
+        seen = (offs_n[None, :] < limit[:, None]) & n_ok[None, :]
+        qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * sv_c + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(OP + part[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(LSEP + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    OP, LSEP, OUT, LENS,
+    so_b, so_h, so_s, cap, hkv,
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
+    s = pid % S
+    h = (pid // S) % (hkv * G)
+    b = pid // (S * hkv * G)
+    kh = h // G
+    row = (h % G) * S + s
+    length = tl.load(LENS + b)
+    length = tl.minimum(tl.maximum(length, 0), cap)
+    per = tl.maximum(tl.cdiv(tl.cdiv(length, N_SPLIT), BLOCK_N) * BLOCK_N, 1)
+    n_act = tl.cdiv(length, per)
+
+    splits = tl.arange(0, SPLIT_P2)
+    base = (b * hkv + kh) * N_SPLIT
+    lse = tl.load(LSEP + (base + splits) * (G * S) + row, mask=splits < n_act, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    for i in range(0, n_act):
+        wi = tl.exp2(tl.load(LSEP + (base + i) * (G * S) + row) - m_safe)
+        acc += wi * tl.load(OP + ((base + i) * (G * S) + row) * D + offs_d)
+    o = acc / tl.where(total > 0, total, 1.0)
+    out_ptr = OUT + b * so_b + h * so_h + s * so_s + offs_d
+    tl.store(out_ptr, o.to(OUT.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_splits(q: torch.Tensor, hkv: int, n_mb: int) -> int:
+    """Fixed split count: enough programs for two waves over the SMs (4 on the interpreter)."""
+    if q.device.type != "cuda":
+        return 4
+    programs = q.shape[0] * hkv * n_mb
+    return max(1, min(128, -(-2 * _sm_count(q.device.index or 0) // programs)))
+
+
+def default_config(d: int, itemsize: int) -> dict:
+    """Tile size and launch options; K+V tiles of BLOCK_N rows must fit shared memory twice."""
+    block_n = 64 if d * itemsize <= 512 else 32
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+
+
+def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float,
+                            n_split: int | None = None, config: dict | None = None):
+    """Split-KV decode. q ``[B,Hq,S,D]``, caches ``[B,Hkv,C,D]`` (last dim contiguous) -> ``[B,Hq,S,D]``.
+
+    No host sync; safe to capture in a CUDA graph and replay with new ``lengths`` values.
+    """
+    b_sz, hq, s, d = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    rows = g * s
+    block_m = max(16, triton.next_power_of_2(min(rows, 64)))
+    n_mb = -(-rows // block_m)
+    n_split = n_split or default_splits(q, hkv, n_mb)
+    cfg = dict(default_config(d, q.element_size()), **(config or {}))
+    block_n = cfg.pop("BLOCK_N")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    o_part = torch.empty(b_sz * hkv * n_split * rows * d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(b_sz * hkv * n_split * rows, dtype=torch.float32, device=q.device)
+    out = torch.empty(b_sz, hq, s, d, dtype=q.dtype, device=q.device)
+    log2e = 1.4426950408889634
+    _split_kernel[(b_sz * hkv * n_mb, n_split)](
+        q, k_cache, v_cache, lengths, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        cap, hkv, n_mb, scale * log2e,
+        S=s, G=g, D=d, N_SPLIT=n_split, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, IEEE=q.dtype == torch.float32, **cfg,
+    )
+    _combine_kernel[(b_sz * hq * s,)](
+        o_part, lse_part, out, lengths,
+        out.stride(0), out.stride(1), out.stride(2), cap, hkv,
+        S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
+        BLOCK_N=block_n, num_warps=4,
+    )
+    return out
