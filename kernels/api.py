@@ -75,7 +75,8 @@ def _check(q, k_cache, v_cache, lengths) -> None:
                          f"{lengths.dtype} {tuple(lengths.shape)}")
     devices = {t.device for t in (q, k_cache, v_cache, lengths)}
     if len(devices) != 1:
-        raise ValueError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError("decode_attention: all tensors must be on one device, got "
+                         f"{sorted(map(str, devices))}")
 
 
 _AUTO_CHOICE: dict[tuple, str] = {}

@@ -7,8 +7,8 @@ Two launches over a fixed grid, so one CUDA graph serves every length:
    each) and runs online softmax over its chunk for all query rows of one kv head: the G query
    heads of the group times the S new rows share each K/V tile, so K/V are read once per kv head.
    A program whose chunk is empty exits at once, so busy programs and bytes follow L, never C.
-2. ``_combine_kernel`` grid ``(B * Hq * S,)`` merges the active splits of one row by their
-   log-sum-exp and writes the output in q's dtype.
+2. ``_combine_kernel`` grid ``(B * Hq * S, D / 64)`` merges the active splits of one row by their
+   log-sum-exp (all splits loaded at once, no serial chain) and writes the output in q's dtype.
 """
 
 from __future__ import annotations
@@ -99,9 +99,10 @@ def _combine_kernel(
     OP, LSEP, OUT, LENS,
     so_b, so_h, so_s, cap, hkv,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
+    d0 = tl.program_id(1) * BLOCK_D
     s = pid % S
     h = (pid // S) % (hkv * G)
     b = pid // (S * hkv * G)
@@ -113,20 +114,18 @@ def _combine_kernel(
     n_act = tl.cdiv(length, per)
 
     splits = tl.arange(0, SPLIT_P2)
-    base = (b * hkv + kh) * N_SPLIT
-    lse = tl.load(LSEP + (base + splits) * (G * S) + row, mask=splits < n_act, other=float("-inf"))
+    active = splits < n_act
+    part = ((b * hkv + kh) * N_SPLIT + splits) * (G * S) + row
+    lse = tl.load(LSEP + part, mask=active, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
+    w = tl.exp2(lse - m_safe)  # 0 for inactive splits and for splits that saw nothing
     total = tl.sum(w, 0)
-    offs_d = tl.arange(0, D)
-    acc = tl.zeros([D], tl.float32)
-    for i in range(0, n_act):
-        wi = tl.exp2(tl.load(LSEP + (base + i) * (G * S) + row) - m_safe)
-        acc += wi * tl.load(OP + ((base + i) * (G * S) + row) * D + offs_d)
-    o = acc / tl.where(total > 0, total, 1.0)
-    out_ptr = OUT + b * so_b + h * so_h + s * so_s + offs_d
-    tl.store(out_ptr, o.to(OUT.dtype.element_ty))
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=active[:, None] & (w[:, None] > 0),
+                other=0.0)
+    acc = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + b * so_b + h * so_h + s * so_s + offs_d, acc.to(OUT.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,10 +177,10 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
         S=s, G=g, D=d, N_SPLIT=n_split, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, IEEE=q.dtype == torch.float32, **cfg,
     )
-    _combine_kernel[(b_sz * hq * s,)](
+    _combine_kernel[(b_sz * hq * s, d // 64)](
         o_part, lse_part, out, lengths,
         out.stride(0), out.stride(1), out.stride(2), cap, hkv,
         S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
-        BLOCK_N=block_n, num_warps=4,
+        BLOCK_N=block_n, BLOCK_D=64, num_warps=4,
     )
     return out
