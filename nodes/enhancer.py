@@ -1,0 +1,81 @@
+"""Node: the Qwen-Image 2.1 prompt enhancer (Qwen3.5) with MTP and length-aware decode."""
+
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import io
+
+from ..engine.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
+from ..patches.prompt_enhancer import MAX_LENGTH_LIMIT, PRESET_NAMES, enhance
+
+log = logging.getLogger(__name__)
+
+
+class Qwen35PromptEnhancer(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="Qwen35FastPromptEnhancer",
+            display_name="Qwen3.5 Prompt Enhancer (MTP)",
+            category="text/qwen3.5",
+            search_aliases=["prompt enhance", "qwen image 2.1", "rewrite prompt", "LLM", "qwen3.5"],
+            description="Rewrites a prompt with the Qwen-Image 2.1 prompt enhancer (Qwen3.5), thinking "
+                        "included, and returns the rewritten prompt plus a latent size for its aspect "
+                        "ratio. Connect images for edit mode.",
+            inputs=[
+                io.Clip.Input("clip", tooltip="The prompt-enhancer CLIP (Load Qwen3.5 CLIP (MTP))."),
+                io.String.Input("prompt", multiline=True, dynamic_prompts=True, default="",
+                                tooltip="Your prompt (text-to-image) or edit instruction (edit)."),
+                io.String.Input("system_prompt", multiline=True, default="",
+                                tooltip="System prompt. Paste the official Qwen-Image 2.1 enhancer prompt "
+                                        "for the chosen mode; it is not bundled."),
+                io.Combo.Input("preset", options=list(PRESET_NAMES), default="text-to-image",
+                               tooltip="Official sampling settings (text-to-image: presence penalty "
+                                       "1.5; edit: 0; both temperature 1, top_p 0.95, top_k 20). "
+                                       "'custom' uses the advanced inputs below."),
+                io.Int.Input("max_length", default=16256, min=1, max=MAX_LENGTH_LIMIT,
+                             tooltip="Most new tokens (official: 16256 text-to-image, 24000 edit). "
+                                     "Speed does not depend on it."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
+                io.Combo.Input("mtp", options=list(MTP_CHOICES), default="auto",
+                               tooltip="MTP speculative decoding (needs an MTP head on the CLIP)."),
+                io.Boolean.Input("thinking", default=True, tooltip="Let the model think first (official)."),
+                io.Float.Input("megapixels", default=1.0, min=0.1, max=16.0, step=0.05,
+                               tooltip="Target size of the width/height outputs."),
+                io.Image.Input("images", optional=True,
+                               tooltip="Input image(s) for edit mode; needs a checkpoint with vision "
+                                       "weights (the _i2i enhancer file)."),
+                io.Float.Input("temperature", default=1.0, min=0.0, max=2.0, step=0.01, optional=True,
+                               advanced=True, tooltip="Used with preset 'custom' only."),
+                io.Int.Input("top_k", default=20, min=0, max=1000, optional=True, advanced=True,
+                             tooltip="Used with preset 'custom' only."),
+                io.Float.Input("top_p", default=0.95, min=0.0, max=1.0, step=0.01, optional=True,
+                               advanced=True, tooltip="Used with preset 'custom' only."),
+                io.Float.Input("min_p", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
+                               advanced=True, tooltip="Used with preset 'custom' only."),
+                io.Float.Input("presence_penalty", default=1.5, min=0.0, max=5.0, step=0.01, optional=True,
+                               advanced=True, tooltip="Used with preset 'custom' only."),
+                io.Combo.Input("attention", options=list(ATTENTION_CHOICES), default="auto", optional=True,
+                               advanced=True, tooltip="Decode attention backend."),
+            ],
+            outputs=[
+                io.String.Output(display_name="rewritten_prompt"),
+                io.String.Output(display_name="thinking"),
+                io.String.Output(display_name="wh_ratio"),
+                io.Int.Output(display_name="width"),
+                io.Int.Output(display_name="height"),
+                io.Boolean.Output(display_name="parse_ok"),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, clip, prompt, system_prompt, preset, max_length, seed, mtp, thinking, megapixels,
+                images=None, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5,
+                attention="auto") -> io.NodeOutput:
+        custom = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      presence_penalty=presence_penalty)
+        r = enhance(clip, prompt, system_prompt=system_prompt, images=images, preset=preset, custom=custom,
+                    max_length=max_length, seed=seed, mtp=mtp, attention=attention, thinking=thinking,
+                    megapixels=megapixels)
+        return io.NodeOutput(r.rewritten_prompt, r.thinking, r.wh_ratio, r.width, r.height, r.parse_ok)

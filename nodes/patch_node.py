@@ -1,0 +1,36 @@
+"""Node: CLIP -> CLIP whose Qwen3.5 generate() is length-aware (and gets MTP)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..engine.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
+from ..patches.clip_patch import patch_clip
+
+
+class Qwen35LengthAwarePatch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="Qwen35FastLengthAwarePatch",
+            display_name="Length-aware decode (Qwen3.5)",
+            category="text/qwen3.5",
+            search_aliases=["qwen3.5", "mtp", "fast generate", "text generate"],
+            description="Returns a copy of the CLIP whose Qwen3.5 text generation costs follow the "
+                        "filled length, not max_length, and uses MTP when a head is loaded. Core "
+                        "'Generate Text' and any node calling clip.generate benefit.",
+            inputs=[
+                io.Clip.Input("clip", tooltip="A Qwen3.5 CLIP (core 'Load CLIP' or 'Load Qwen3.5 CLIP (MTP)')."),
+                io.Combo.Input("mtp", options=list(MTP_CHOICES), default="auto",
+                               tooltip="MTP speculative decoding: auto picks the depth, off disables it, "
+                                       "1..5 drafts that many tokens per step. Needs an MTP head."),
+                io.Combo.Input("attention", options=list(ATTENTION_CHOICES), default="auto", advanced=True,
+                               tooltip="Decode attention backend; 'masked' reproduces core's "
+                                       "capacity-bound cost (for comparisons)."),
+            ],
+            outputs=[io.Clip.Output(display_name="CLIP")],
+        )
+
+    @classmethod
+    def execute(cls, clip, mtp="auto", attention="auto") -> io.NodeOutput:
+        return io.NodeOutput(patch_clip(clip, mtp=mtp, attention=attention))

@@ -1,0 +1,75 @@
+"""Load a Qwen3.5 text encoder as a core ComfyUI CLIP, optionally grafting an MTP head.
+
+The CLIP comes from ``comfy.sd.load_clip`` (so ComfyUI's memory management, quantized ops and
+"Unload models" keep working); MTP tensors come from the main file when it has them, else from the
+optional second file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from ..engine import comfy_bridge as bridge
+from . import mtp_graft
+
+log = logging.getLogger(__name__)
+
+NO_MTP_FILE = "none"
+
+
+@dataclass
+class LoadResult:
+    clip: object
+    status: str
+    mtp: bool
+
+
+def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str = "default",
+                     embedding_directory=None) -> LoadResult:
+    """Load ``clip_path`` (must be Qwen3.5) and graft ``mtp.*`` from it or from ``mtp_path``."""
+    import comfy.sd
+
+    name = os.path.basename(clip_path)
+    keys = mtp_graft.file_keys(clip_path)
+    if not mtp_graft.is_qwen35_file(keys):
+        raise ValueError(
+            f"{name} is not a Qwen3.5 checkpoint (no {mtp_graft.QWEN35_MARKER}). Pick a Qwen3.5 text "
+            "encoder such as qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors; other text "
+            "encoders load with core 'Load CLIP'.")
+    main_has_mtp = any(k.startswith(mtp_graft.MTP_PREFIXES) for k in keys)
+    if mtp_path is not None:
+        mtp_keys = mtp_graft.file_keys(mtp_path)
+        if not any(k.startswith(mtp_graft.MTP_PREFIXES) for k in mtp_keys):
+            raise mtp_graft.MTPHeadError(
+                f"{os.path.basename(mtp_path)} has no mtp.* tensors. Use a file holding the MTP head of "
+                "Qwen/Qwen3.5-9B (scripts/extract_mtp_head.py makes one from the original checkpoint), "
+                f"or set mtp_head to '{NO_MTP_FILE}'.")
+
+    model_options = {}
+    if device == "cpu":
+        import torch
+
+        model_options["load_device"] = model_options["offload_device"] = torch.device("cpu")
+    clip = comfy.sd.load_clip(ckpt_paths=[clip_path], embedding_directory=embedding_directory,
+                              clip_type=getattr(comfy.sd.CLIPType, "QWEN_IMAGE", comfy.sd.CLIPType.STABLE_DIFFUSION),
+                              model_options=model_options)
+    bridge.find_qwen35(clip)  # the loaded object must be what the engine binds to
+    vision = any(k.startswith("model.visual.") for k in keys)
+
+    tensors, source = {}, None
+    if mtp_path is not None:
+        tensors, source = mtp_graft.read_mtp_tensors(mtp_path), os.path.basename(mtp_path)
+    elif main_has_mtp:
+        tensors, source = mtp_graft.read_mtp_tensors(clip_path), name
+    if tensors:
+        n = mtp_graft.graft_mtp(clip, tensors, source=source)
+        status = f"{name}: Qwen3.5 loaded, MTP head from {source} ({n / 1e6:.0f} M parameters)"
+    else:
+        status = (f"{name}: Qwen3.5 loaded without an MTP head: MTP is off. Put the mtp.* tensors of "
+                  "Qwen/Qwen3.5-9B in models/text_encoders and pick them as mtp_head to speed up decoding.")
+        log.warning("%s", status)
+    bridge.set_clip_info(clip, vision=vision, mtp=bool(tensors), source=name)
+    log.info("%s", status)
+    return LoadResult(clip, status, bool(tensors))

@@ -1,0 +1,158 @@
+"""The Qwen-Image 2.1 prompt enhancer on a ComfyUI CLIP: chat text -> ComfyUI tokens -> the
+length-aware patch -> engine -> thinking / answer / parsed JSON / latent size.
+
+Presets carry the official sampling settings; the official system prompt is not bundled (the user
+pastes it). Thinking is on by default, as in the official pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..engine import comfy_bridge as bridge
+from . import clip_patch
+
+log = logging.getLogger(__name__)
+
+PRESET_NAMES = ("text-to-image", "edit", "custom")
+VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+MAX_LENGTH_LIMIT = 65536
+
+# Official Qwen-Image 2.1 prompt-enhancer settings (used when engine.pe.PRESETS lacks a preset).
+_OFFICIAL = {
+    "text-to-image": dict(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5,
+                          max_length=16256),
+    "edit": dict(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0, max_length=24000),
+}
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
+
+
+def preset_settings(name: str) -> dict:
+    """Sampling settings of an official preset (from ``engine.pe.PRESETS`` when it has them)."""
+    if name not in _OFFICIAL:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
+    settings = dict(_OFFICIAL[name])
+    try:
+        from ..engine.pe import PRESETS
+    except ImportError:
+        return settings
+    preset = _lookup_preset(PRESETS, name)
+    if preset is not None:
+        for key in _SAMPLING_KEYS:
+            value = _get(preset, key)
+            if value is not None:
+                settings[key] = value
+        max_new = _get(preset, "max_new_tokens", _get(preset, "max_length"))
+        if max_new is not None:
+            settings["max_length"] = int(max_new)
+    return settings
+
+
+def _lookup_preset(presets, name):
+    aliases = {"text-to-image": ("text-to-image", "t2i", "text_to_image"), "edit": ("edit", "i2i", "image_edit")}
+    for alias in aliases[name]:
+        try:
+            return presets[alias]
+        except (KeyError, TypeError, IndexError):
+            continue
+    return None
+
+
+def _get(obj, key, default=None):
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def chat_text(system_prompt: str, prompt: str, n_images: int, thinking: bool) -> str:
+    """Qwen3.5 chat text in ComfyUI's tokenizer convention (one ``<|image_pad|>`` per image)."""
+    parts = []
+    if system_prompt.strip():
+        parts.append(f"<|im_start|>system\n{system_prompt.strip()}<|im_end|>\n")
+    parts.append(f"<|im_start|>user\n{VISION_BLOCK * n_images}{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    parts.append("<think>\n" if thinking else "<think>\n\n</think>\n\n")
+    return "".join(parts)
+
+
+def split_images(images) -> list:
+    """An IMAGE batch ``[B, H, W, C]`` (or None) as a list of single images ``[1, H, W, C]``."""
+    if images is None:
+        return []
+    return [images[i:i + 1] for i in range(images.shape[0])]
+
+
+@dataclass
+class EnhancerResult:
+    rewritten_prompt: str
+    thinking: str
+    wh_ratio: str
+    width: int
+    height: int
+    parse_ok: bool
+    text: str
+    stats: object = None
+
+
+def check_inputs(clip, prompt: str, images, max_length: int) -> bridge.Qwen35Target:
+    """Validate before any work; raise ValueError naming the fix."""
+    target = bridge.find_qwen35(clip)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("The prompt is empty: type what the image should show (or what to change in the "
+                         "input image).")
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or not 1 <= max_length <= MAX_LENGTH_LIMIT:
+        raise ValueError(f"max_length must be between 1 and {MAX_LENGTH_LIMIT}, got {max_length!r}. The "
+                         "official settings use 16256 (text-to-image) and 24000 (edit).")
+    if images is not None:
+        if getattr(images, "ndim", 0) != 4 or images.shape[-1] not in (3, 4):
+            raise ValueError("images must be an IMAGE batch [B, H, W, C]; connect a Load Image node.")
+        if bridge.has_vision_weights(clip) is False:
+            raise ValueError(
+                "Images were connected but this Qwen3.5 checkpoint has no vision weights (model.visual.*). "
+                "Use the edit prompt-enhancer file (qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot."
+                "safetensors) or disconnect the images.")
+    return target
+
+
+def enhance(clip, prompt: str, *, system_prompt: str = "", images=None, preset: str = "text-to-image",
+            custom: dict | None = None, max_length: int = 16256, seed: int = 0, mtp="auto",
+            attention: str = "auto", thinking: bool = True, megapixels: float = 1.0) -> EnhancerResult:
+    """Run the prompt enhancer; ``custom`` sampling values are used when ``preset == "custom"``."""
+    check_inputs(clip, prompt, images, max_length)
+    if preset == "custom":
+        settings = {k: (custom or {})[k] for k in _SAMPLING_KEYS}
+    else:
+        settings = preset_settings(preset)
+    try:
+        from ..engine.pe import parse_answer, size_for_ratio, split_thinking
+    except ImportError:  # the engine's PE helpers are optional; keep the node usable without them
+        from .pe_fallback import parse_answer, size_for_ratio, split_thinking
+
+    image_list = split_images(images)
+    text = chat_text(system_prompt or "", prompt, len(image_list), thinking)
+    tokens = clip.tokenize(text, images=image_list) if image_list else clip.tokenize(text)
+    if image_list and not bridge.has_images(tokens):
+        raise bridge.Qwen35Unsupported("ComfyUI's tokenizer did not attach the images to the prompt: "
+                                       "update ComfyUI to use images with Qwen3.5.")
+    patched = clip_patch.patch_clip(clip, mtp=mtp, attention=attention)
+    ids = patched.generate(tokens, do_sample=True, max_length=max_length, temperature=settings["temperature"],
+                           top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
+                           repetition_penalty=1.0, seed=seed, presence_penalty=settings["presence_penalty"])
+    stats = getattr(ids, "stats", None)
+    stops = set(getattr(getattr(bridge.find_qwen35(clip).model, "config", None), "stop_tokens", None) or
+                (248044, 248046))
+    body = list(ids)
+    while body and body[-1] in stops:
+        body.pop()
+    text_out = clip.decode(body, skip_special_tokens=False)
+    if thinking and "<think>" not in text_out.split("</think>")[0]:
+        text_out = "<think>\n" + text_out  # the prompt opened the block; let split_thinking see it
+    thinking_text, answer = split_thinking(text_out)
+    parsed = parse_answer(answer)
+    width, height = size_for_ratio(parsed.wh_ratio, megapixels)
+    ratio = parsed.wh_ratio if isinstance(parsed.wh_ratio, str) else (
+        "" if parsed.wh_ratio is None else str(parsed.wh_ratio))
+    if not parsed.parse_ok:
+        log.warning("Qwen3.5 prompt enhancer: the answer had no usable JSON; returning the raw answer")
+    return EnhancerResult(parsed.rewritten_prompt, thinking_text, ratio, int(width), int(height),
+                          bool(parsed.parse_ok), text_out, stats)

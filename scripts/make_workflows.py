@@ -1,0 +1,294 @@
+"""Write the example workflows (UI format, schema 0.4) and their API-format twins from one spec.
+
+    python scripts/make_workflows.py        # rewrites workflows/*.json and workflows/api/*.json
+
+Each graph is declared once as nodes with their widget values and links; the UI file gets
+positions, slots and ``properties.models`` (file names + download links), the API twin the same
+nodes in ``{id: {class_type, inputs}}`` form. API twins only keep the text part of a graph
+(loader -> enhancer/generate -> text preview): the image half needs Qwen-Image 2.1 models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "workflows"
+
+HF = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main"
+PE_T2I = "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"
+PE_I2I = "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors"
+MTP = "qwen3.5_9b_mtp_head.safetensors"
+DIT = "qwen_image_2.1_int8_convrot.safetensors"
+TE = "qwen3vl_8b_int8_convrot.safetensors"
+VAE = "qwen_image_2.1_vae_bf16.safetensors"
+MODELS = {
+    PE_T2I: (f"{HF}/text_encoders/{PE_T2I}", "text_encoders"),
+    PE_I2I: (f"{HF}/text_encoders/{PE_I2I}", "text_encoders"),
+    MTP: ("https://huggingface.co/Qwen/Qwen3.5-9B (mtp.* tensors, extracted with "
+          "scripts/extract_mtp_head.py)", "text_encoders"),
+    DIT: (f"{HF}/diffusion_models/{DIT}", "diffusion_models"),
+    TE: (f"{HF}/text_encoders/{TE}", "text_encoders"),
+    VAE: (f"{HF}/vae/{VAE}", "vae"),
+}
+
+SYSTEM_HINT = ""  # the official enhancer prompt is not bundled: users paste it into system_prompt
+T2I_PROMPT = "A red fox sleeping under a paper lantern in a snowy Kyoto alley at dusk"
+EDIT_PROMPT = "Make it a rainy night and add neon reflections on the ground"
+
+# Widget names per node type, in UI order ("+control" marks a control_after_generate value).
+WIDGETS = {
+    "Qwen35FastCLIPLoader": ["clip_name", "mtp_head", "device"],
+    "Qwen35FastPromptEnhancer": ["prompt", "system_prompt", "preset", "max_length", "seed", "+control", "mtp",
+                                 "thinking", "megapixels", "temperature", "top_k", "top_p", "min_p",
+                                 "presence_penalty", "attention"],
+    "Qwen35FastLengthAwarePatch": ["mtp", "attention"],
+    "CLIPLoader": ["clip_name", "type", "device"],
+    "TextGenerate": ["prompt", "max_length", "sampling_mode", "sampling_mode.temperature", "sampling_mode.top_k",
+                     "sampling_mode.top_p", "sampling_mode.min_p", "sampling_mode.repetition_penalty",
+                     "sampling_mode.seed", "sampling_mode.presence_penalty", "thinking", "use_default_template"],
+    "PreviewAny": [],
+    "LoadImage": ["image", "+upload"],
+    "UNETLoader": ["unet_name", "weight_dtype"],
+    "VAELoader": ["vae_name"],
+    "ModelSamplingAuraFlow": ["shift"],
+    "CLIPTextEncode": ["text"],
+    "TextEncodeQwenImageEdit": ["prompt"],
+    "EmptySD3LatentImage": ["width", "height", "batch_size"],
+    "KSampler": ["seed", "+control", "steps", "cfg", "sampler_name", "scheduler", "denoise"],
+    "VAEDecode": [],
+    "SaveImage": ["filename_prefix"],
+}
+# Socket inputs (name, type) and outputs per node type, in slot order.
+SOCKETS = {
+    "Qwen35FastCLIPLoader": ([], [("CLIP", "CLIP"), ("status", "STRING")]),
+    "Qwen35FastPromptEnhancer": ([("clip", "CLIP"), ("images", "IMAGE")],
+                                 [("rewritten_prompt", "STRING"), ("thinking", "STRING"), ("wh_ratio", "STRING"),
+                                  ("width", "INT"), ("height", "INT"), ("parse_ok", "BOOLEAN")]),
+    "Qwen35FastLengthAwarePatch": ([("clip", "CLIP")], [("CLIP", "CLIP")]),
+    "CLIPLoader": ([], [("CLIP", "CLIP")]),
+    "TextGenerate": ([("clip", "CLIP"), ("image", "IMAGE"), ("video", "IMAGE"), ("audio", "AUDIO")],
+                     [("generated_text", "STRING")]),
+    "PreviewAny": ([("source", "*")], [("STRING", "STRING")]),
+    "LoadImage": ([], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
+    "UNETLoader": ([], [("MODEL", "MODEL")]),
+    "VAELoader": ([], [("VAE", "VAE")]),
+    "ModelSamplingAuraFlow": ([("model", "MODEL")], [("MODEL", "MODEL")]),
+    "CLIPTextEncode": ([("clip", "CLIP")], [("CONDITIONING", "CONDITIONING")]),
+    "TextEncodeQwenImageEdit": ([("clip", "CLIP"), ("vae", "VAE"), ("image", "IMAGE")],
+                                [("CONDITIONING", "CONDITIONING")]),
+    "EmptySD3LatentImage": ([], [("LATENT", "LATENT")]),
+    "KSampler": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                  ("latent_image", "LATENT")], [("LATENT", "LATENT")]),
+    "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")]),
+    "SaveImage": ([("images", "IMAGE")], []),
+}
+WIDGET_TYPES = {"prompt": "STRING", "text": "STRING", "width": "INT", "height": "INT", "max_length": "INT",
+                "seed": "INT"}
+
+
+class Graph:
+    def __init__(self):
+        self.nodes = {}  # id -> dict(type, widgets{name: value}, links{input: (src, slot)}, title, pos)
+
+    def add(self, nid, type_, pos, title=None, **widgets):
+        self.nodes[nid] = dict(type=type_, widgets=widgets, links={}, pos=pos, title=title)
+        return nid
+
+    def link(self, src, slot, dst, inp):
+        self.nodes[dst]["links"][inp] = (src, slot)
+
+
+def _widget_values(node):
+    values = []
+    w = node["widgets"]
+    for name in WIDGETS[node["type"]]:
+        if name == "+control":
+            values.append("fixed")
+        elif name == "+upload":
+            values.append("image")
+        elif node["type"] == "TextGenerate" and name.startswith("sampling_mode.") and w["sampling_mode"] == "off":
+            continue
+        else:
+            values.append(w[name])
+    return values
+
+
+def to_ui(graph: Graph, models: list[str]) -> dict:
+    links, nodes = [], []
+    ids = sorted(graph.nodes)
+    out_links = {nid: {} for nid in ids}
+    for nid in ids:
+        for inp, (src, slot) in graph.nodes[nid]["links"].items():
+            lid = len(links) + 1
+            socket_types = dict(SOCKETS[graph.nodes[src]["type"]][1])
+            out_type = list(socket_types.values())[slot]
+            links.append([lid, src, slot, nid, None, out_type, inp])
+            out_links[src].setdefault(slot, []).append(lid)
+    link_by_target = {(t, inp): lid for lid, _, _, t, _, _, inp in links}
+    for order, nid in enumerate(ids):
+        n = graph.nodes[nid]
+        socket_in, socket_out = SOCKETS[n["type"]]
+        inputs = []
+        for name, typ in socket_in:
+            inputs.append({"name": name, "type": typ, "link": link_by_target.get((nid, name))})
+        for name in n["links"]:
+            if name not in dict(socket_in):  # a widget converted to an input (e.g. prompt from the enhancer)
+                typ = WIDGET_TYPES.get(name, "STRING")
+                inputs.append({"name": name, "type": typ, "widget": {"name": name},
+                               "link": link_by_target[(nid, name)]})
+        outputs = [{"name": name, "type": typ, "slot_index": i, "links": out_links[nid].get(i, [])}
+                   for i, (name, typ) in enumerate(socket_out)]
+        node = {"id": nid, "type": n["type"], "pos": list(n["pos"]), "size": [360, 160], "flags": {},
+                "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
+                "properties": {"Node name for S&R": n["type"]}, "widgets_values": _widget_values(n)}
+        if n["title"]:
+            node["title"] = n["title"]
+        if n["type"].startswith("Qwen35Fast"):
+            node["properties"]["cnr_id"] = "comfyui-qwen35-fast"
+        else:
+            node["properties"]["cnr_id"] = "comfy-core"
+        used = [m for m in models if m in _widget_values(n)]
+        if used:
+            node["properties"]["models"] = [{"name": m, "url": MODELS[m][0], "directory": MODELS[m][1]}
+                                            for m in used]
+        nodes.append(node)
+    for link in links:  # fix target slots now that input lists exist
+        target = next(x for x in nodes if x["id"] == link[3])
+        link[4] = [i["name"] for i in target["inputs"]].index(link[6])
+    return {"id": None, "revision": 0, "last_node_id": max(ids), "last_link_id": len(links), "nodes": nodes,
+            "links": [lk[:6] for lk in links], "groups": [], "config": {},
+            "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+
+
+def to_api(graph: Graph, keep: set[int] | None = None) -> dict:
+    out = {}
+    for nid in sorted(graph.nodes):
+        if keep is not None and nid not in keep:
+            continue
+        n = graph.nodes[nid]
+        inputs = {}
+        for name in WIDGETS[n["type"]]:
+            if name.startswith("+") or name in n["links"]:
+                continue
+            if n["type"] == "TextGenerate" and name.startswith("sampling_mode.") and \
+                    n["widgets"]["sampling_mode"] == "off":
+                continue
+            inputs[name] = n["widgets"][name]
+        for name, (src, slot) in n["links"].items():
+            if keep is None or src in keep:
+                inputs[name] = [str(src), slot]
+        out[str(nid)] = {"class_type": n["type"], "inputs": inputs}
+    return out
+
+
+PE_COMMON = dict(system_prompt=SYSTEM_HINT, seed=42, mtp="auto", thinking=True, megapixels=1.0,
+                 temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5, attention="auto")
+
+
+def _image_half(g: Graph, pe: int, x: int, edit_image: int | None = None):
+    g.add(20, "UNETLoader", (x, 0), unet_name=DIT, weight_dtype="default")
+    g.add(21, "ModelSamplingAuraFlow", (x + 400, 0), shift=3.1)
+    g.link(20, 0, 21, "model")
+    g.add(22, "CLIPLoader", (x, 200), clip_name=TE, type="qwen_image", device="default")
+    g.add(23, "VAELoader", (x, 400), vae_name=VAE)
+    if edit_image is None:
+        g.add(24, "CLIPTextEncode", (x + 400, 200), title="Positive (enhanced prompt)", text="")
+        g.link(22, 0, 24, "clip")
+    else:
+        g.add(24, "TextEncodeQwenImageEdit", (x + 400, 200), title="Positive (enhanced prompt)", prompt="")
+        g.link(22, 0, 24, "clip")
+        g.link(23, 0, 24, "vae")
+        g.link(edit_image, 0, 24, "image")
+    g.link(pe, 0, 24, "text" if edit_image is None else "prompt")
+    g.add(25, "CLIPTextEncode", (x + 400, 400), title="Negative", text="")
+    g.link(22, 0, 25, "clip")
+    g.add(26, "EmptySD3LatentImage", (x + 400, 600), width=1328, height=1328, batch_size=1)
+    g.link(pe, 3, 26, "width")
+    g.link(pe, 4, 26, "height")
+    g.add(27, "KSampler", (x + 800, 0), seed=42, steps=40, cfg=4.0, sampler_name="euler", scheduler="simple",
+          denoise=1.0)
+    g.link(21, 0, 27, "model")
+    g.link(24, 0, 27, "positive")
+    g.link(25, 0, 27, "negative")
+    g.link(26, 0, 27, "latent_image")
+    g.add(28, "VAEDecode", (x + 1200, 0))
+    g.link(27, 0, 28, "samples")
+    g.link(23, 0, 28, "vae")
+    g.add(29, "SaveImage", (x + 1500, 0), filename_prefix="qwen_image_2.1_pe")
+    g.link(28, 0, 29, "images")
+
+
+def text_to_image() -> Graph:
+    g = Graph()
+    g.add(1, "Qwen35FastCLIPLoader", (0, 0), clip_name=PE_T2I, mtp_head=MTP, device="default")
+    g.add(2, "Qwen35FastPromptEnhancer", (400, 0), prompt=T2I_PROMPT, preset="text-to-image", max_length=16256,
+          **PE_COMMON)
+    g.link(1, 0, 2, "clip")
+    g.add(3, "PreviewAny", (800, 0), title="Rewritten prompt")
+    g.link(2, 0, 3, "source")
+    g.add(4, "PreviewAny", (800, 200), title="Thinking")
+    g.link(2, 1, 4, "source")
+    g.add(5, "PreviewAny", (800, 400), title="Loader status")
+    g.link(1, 1, 5, "source")
+    _image_half(g, 2, 1200)
+    return g
+
+
+def edit() -> Graph:
+    g = Graph()
+    g.add(6, "LoadImage", (0, 300), image="example.png")
+    g.add(1, "Qwen35FastCLIPLoader", (0, 0), clip_name=PE_I2I, mtp_head=MTP, device="default")
+    g.add(2, "Qwen35FastPromptEnhancer", (400, 0), prompt=EDIT_PROMPT, preset="edit", max_length=24000,
+          **{**PE_COMMON, "presence_penalty": 0.0})
+    g.link(1, 0, 2, "clip")
+    g.link(6, 0, 2, "images")
+    g.add(3, "PreviewAny", (800, 0), title="Rewritten prompt")
+    g.link(2, 0, 3, "source")
+    g.add(4, "PreviewAny", (800, 200), title="Thinking")
+    g.link(2, 1, 4, "source")
+    g.add(5, "PreviewAny", (800, 400), title="Size (width)")
+    g.link(2, 3, 5, "source")
+    _image_half(g, 2, 1200, edit_image=6)
+    return g
+
+
+def text_generate() -> Graph:
+    g = Graph()
+    g.add(1, "CLIPLoader", (0, 0), clip_name=PE_T2I, type="qwen_image", device="default")
+    g.add(2, "Qwen35FastLengthAwarePatch", (400, 0), mtp="auto", attention="auto")
+    g.link(1, 0, 2, "clip")
+    g.add(3, "TextGenerate", (800, 0), prompt="Describe a lighthouse in one sentence.", max_length=8,
+          sampling_mode="on", **{"sampling_mode.temperature": 0.7, "sampling_mode.top_k": 64,
+                                 "sampling_mode.top_p": 0.95, "sampling_mode.min_p": 0.05,
+                                 "sampling_mode.repetition_penalty": 1.05, "sampling_mode.seed": 7,
+                                 "sampling_mode.presence_penalty": 0.0},
+          thinking=False, use_default_template=True)
+    g.link(2, 0, 3, "clip")
+    g.add(4, "PreviewAny", (1200, 0), title="Generated text")
+    g.link(3, 0, 4, "source")
+    return g
+
+
+def main() -> None:
+    (OUT / "api").mkdir(parents=True, exist_ok=True)
+    specs = [
+        ("qwen_image_2.1_pe_text_to_image", "pe_text_to_image_api", text_to_image(), [PE_T2I, MTP, DIT, TE, VAE],
+         {1, 2, 3, 4, 5}, {2: {"max_length": 8}}),
+        ("qwen_image_2.1_pe_edit", "pe_edit_api", edit(), [PE_I2I, MTP, DIT, TE, VAE], {1, 2, 3, 4, 5, 6},
+         {2: {"max_length": 8}}),
+        ("textgenerate_length_aware", "textgenerate_length_aware_api", text_generate(), [PE_T2I], None, {}),
+    ]
+    for ui_name, api_name, graph, models, keep, api_overrides in specs:
+        ui = to_ui(graph, models)
+        ui["extra"]["models"] = [{"name": m, "url": MODELS[m][0], "directory": MODELS[m][1]} for m in models]
+        (OUT / f"{ui_name}.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n")
+        api = to_api(graph, keep)
+        for nid, values in api_overrides.items():  # API twins stay short so servers can run them on a CPU
+            api[str(nid)]["inputs"].update(values)
+        (OUT / "api" / f"{api_name}.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()
