@@ -114,38 +114,39 @@ def runner(backend: str, layers, q, lengths, length: int, **triton_kw):
     return fn
 
 
+TUNE_POINTS = ((128, 1), (3000, 1), (3000, 6), (32768, 1), (32768, 4), (32768, 6))
+
+
 def tune(bw: float) -> list[dict]:
-    """Sweep Triton tile/launch options on a few hard points; returns rows sorted best first."""
-    configs = []
-    for block_n in (32, 64):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                for mult in (1, 2, 4):
-                    configs.append({"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
-                                    "mult": mult})
-    points = [(262144, 1024, 1), (262144, 3000, 6), (262144, 32768, 1), (262144, 131072, 6)]
-    layers = make_layers(262144)
+    """Sweep Triton tile/launch options over TUNE_POINTS (C = 65536); rows sorted best first.
+
+    Each row also carries the time of the split pass alone, to show what the merge pass costs.
+    """
+    configs = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "mult": m}
+               for bn in (32, 64) for w in (4, 8) for st in (2, 3, 4) for m in (1, 2)]
+    layers = make_layers(65536)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for cfg in configs:
-        total, ok = 0.0, True
-        times = []
-        for cap, length, s in points:
-            q = torch.randn(1, HQ, s, D, device="cuda", dtype=torch.bfloat16)
-            lengths = torch.tensor([length], dtype=torch.int32, device="cuda")
-            cfg2 = {k: v for k, v in cfg.items() if k != "mult"}
-            n_split = max(1, min(128, -(-cfg["mult"] * sms // HKV)))
-            try:
-                us = graph_median_us(runner("triton", layers, q, lengths, length, n_split=n_split,
-                                            config=cfg2), replays=30)
-            except Exception as exc:  # out of shared memory etc.
-                ok = False
-                times.append(str(exc)[:60])
-                break
-            times.append(round(us, 2))
-            total += us / (4096 * length / bw * 1e6)
-        if ok:
-            results.append({"config": cfg, "times_us": times, "score": total / len(points)})
+        launch = {k: v for k, v in cfg.items() if k != "mult"}
+        n_split = max(1, min(128, -(-cfg["mult"] * sms // HKV)))
+        row = {"config": cfg, "n_split": n_split, "us": {}, "split_only_us": {}}
+        try:
+            for length, s in TUNE_POINTS:
+                q = torch.randn(1, HQ, s, D, device="cuda", dtype=torch.bfloat16)
+                lengths = torch.tensor([length], dtype=torch.int32, device="cuda")
+                key = f"L{length}_S{s}"
+                row["us"][key] = graph_median_us(runner("triton", layers, q, lengths, length,
+                                                        n_split=n_split, config=launch), replays=30)
+                row["split_only_us"][key] = graph_median_us(runner(
+                    "triton", layers, q, lengths, length, n_split=n_split, config=launch, split_only=True),
+                    replays=30)
+        except Exception as exc:  # e.g. out of shared memory for this tile shape
+            row["error"] = str(exc)[:120]
+            continue
+        row["score"] = statistics.mean(row["us"][f"L{length}_S{s}"] / (4096 * length / bw * 1e6 + 5.0)
+                                       for length, s in TUNE_POINTS)
+        results.append(row)
     del layers
     torch.cuda.empty_cache()
     return sorted(results, key=lambda r: r["score"])
@@ -196,6 +197,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few points only")
     ap.add_argument("--tune", action="store_true", help="sweep Triton options first")
+    ap.add_argument("--tune-only", action="store_true", help="stop after the sweep")
     ap.add_argument("--json", default="decode_attention.json")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -205,8 +207,14 @@ def main() -> None:
     out = {"device": dev, "torch": torch.__version__, "copy_bw_Bps": bw, "rows": []}
     if args.tune:
         out["tune"] = tune(bw)
-        for r in out["tune"][:8]:
-            print("tune", r["config"], r["times_us"], f"{r['score']:.2f}x floor")
+        print("tune config / " + " ".join(f"L{length}_S{s}" for length, s in TUNE_POINTS)
+              + "  (split pass alone in brackets)")
+        for r in out["tune"]:
+            print("tune", r["config"], " ".join(f"{r['us'][k]:.2f}({r['split_only_us'][k]:.2f})"
+                                              for k in r["us"]))
+        if args.tune_only:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+            return
     k_reason = kitchen_reason(torch.empty(1, HQ, 1, D, device="cuda", dtype=torch.bfloat16), D ** -0.5)
     backends = ["triton"] + (["kitchen"] if k_reason is None else []) + ["sdpa", "masked"]
     if k_reason:

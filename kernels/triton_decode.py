@@ -35,16 +35,19 @@ def _split_kernel(
     b = bh // hkv
     kh = bh % hkv
 
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # row = head_in_group * S + s
+    row_ok = rows < G * S
+    hl = rows // S
+    j = rows % S
+    offs_d = tl.arange(0, D)
+    q_ptr = Q + b * sq_b + (kh * G + hl)[:, None] * sq_h + j[:, None] * sq_s + offs_d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # issued before the length is known
+
     length = tl.load(LENS + b)
     length = tl.minimum(tl.maximum(length, 0), cap)
     per = tl.cdiv(tl.cdiv(length, N_SPLIT), BLOCK_N) * BLOCK_N
     start = split * per
     end = tl.minimum(start + per, length)
-
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # row = head_in_group * S + s
-    row_ok = rows < G * S
-    hl = rows // S
-    j = rows % S
     if CAUSAL:
         limit = length - S + 1 + j
     else:
@@ -54,9 +57,6 @@ def _split_kernel(
         tl.store(LSEP + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
         return
 
-    offs_d = tl.arange(0, D)
-    q_ptr = Q + b * sq_b + (kh * G + hl)[:, None] * sq_h + j[:, None] * sq_s + offs_d[None, :]
-    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
     k_base = K + b * sk_b + kh * sk_h
     v_base = V + b * sv_b + kh * sv_h
 
@@ -96,10 +96,10 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    OP, LSEP, OUT, LENS,
-    so_b, so_h, so_s, cap, hkv,
+    OP, LSEP, OUT,
+    so_b, so_h, so_s, hkv,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
     d0 = tl.program_id(1) * BLOCK_D
@@ -108,22 +108,17 @@ def _combine_kernel(
     b = pid // (S * hkv * G)
     kh = h // G
     row = (h % G) * S + s
-    length = tl.load(LENS + b)
-    length = tl.minimum(tl.maximum(length, 0), cap)
-    per = tl.maximum(tl.cdiv(tl.cdiv(length, N_SPLIT), BLOCK_N) * BLOCK_N, 1)
-    n_act = tl.cdiv(length, per)
 
     splits = tl.arange(0, SPLIT_P2)
-    active = splits < n_act
     part = ((b * hkv + kh) * N_SPLIT + splits) * (G * S) + row
-    lse = tl.load(LSEP + part, mask=active, other=float("-inf"))
+    # every split wrote its lse (-inf when its chunk was empty or the row saw nothing there)
+    lse = tl.load(LSEP + part, mask=splits < N_SPLIT, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)  # 0 for inactive splits and for splits that saw nothing
+    w = tl.exp2(lse - m_safe)
     total = tl.sum(w, 0)
     offs_d = d0 + tl.arange(0, BLOCK_D)
-    o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=active[:, None] & (w[:, None] > 0),
-                other=0.0)
+    o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=(w > 0)[:, None], other=0.0)
     acc = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(OUT + b * so_b + h * so_h + s * so_s + offs_d, acc.to(OUT.dtype.element_ty))
 
@@ -148,10 +143,12 @@ def default_config(d: int, itemsize: int) -> dict:
 
 
 def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float,
-                            n_split: int | None = None, config: dict | None = None):
+                            n_split: int | None = None, config: dict | None = None,
+                            split_only: bool = False):
     """Split-KV decode. q ``[B,Hq,S,D]``, caches ``[B,Hkv,C,D]`` (last dim contiguous) -> ``[B,Hq,S,D]``.
 
     No host sync; safe to capture in a CUDA graph and replay with new ``lengths`` values.
+    ``n_split``/``config`` override the launch defaults; ``split_only`` (benchmarks) skips the merge.
     """
     b_sz, hq, s, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
@@ -177,10 +174,12 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
         S=s, G=g, D=d, N_SPLIT=n_split, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, IEEE=q.dtype == torch.float32, **cfg,
     )
+    if split_only:
+        return o_part, lse_part
     _combine_kernel[(b_sz * hq * s, d // 64)](
-        o_part, lse_part, out, lengths,
-        out.stride(0), out.stride(1), out.stride(2), cap, hkv,
+        o_part, lse_part, out,
+        out.stride(0), out.stride(1), out.stride(2), hkv,
         S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
-        BLOCK_N=block_n, BLOCK_D=64, num_warps=4,
+        BLOCK_D=64, num_warps=4,
     )
     return out
