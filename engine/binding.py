@@ -1,0 +1,168 @@
+"""Bind the engine to a loaded Qwen3.5 module tree (ComfyUI's or the standalone loader's).
+
+The binding only finds modules and checks that they are Qwen3.5; it never copies weights. It
+calls the tree's own Linear / Embedding / norm modules, so ComfyUI's quantized ops, weight
+casting and offloading keep working. The one weight read directly is the tied output projection
+(``embed_tokens`` used as ``lm_head``), done the way ComfyUI's ``BaseGenerate.logits`` does it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import Qwen35Config
+from .errors import Qwen35Error
+
+log = logging.getLogger(__name__)
+
+_LINEAR_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm",
+                 "out_proj")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
+_MTP_PARTS = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "layers")
+
+
+def _is_decoder(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("embed_tokens", "layers", "norm"))
+
+
+class Qwen35Binding:
+    """A Qwen3.5 decoder bound for the engine.
+
+    Attributes: ``transformer`` (the decoder: ``embed_tokens``, ``layers``, ``norm``, optional
+    ``lm_head``), ``root`` (what was passed to ``bind``), ``config`` (``Qwen35Config``), ``layers``
+    (the decoder layers), ``is_comfy`` (modules come from ComfyUI's ops). ``mtp_hidden`` selects
+    the hidden state fed to the MTP head: "normed" (after the model's final norm; vLLM/SGLang
+    convention, default) or "prenorm".
+    """
+
+    def __init__(self, transformer: Any, root: Any, config: Qwen35Config):
+        self.transformer = transformer
+        self.root = root
+        self.config = config
+        self.layers = list(transformer.layers)
+        self.is_comfy = hasattr(transformer.embed_tokens, "comfy_cast_weights")
+        self.mtp_hidden = "normed"
+
+    # ------------------------------------------------------------------ MTP head
+    @property
+    def mtp(self) -> Any | None:
+        """The MTP head at ``<transformer>.mtp`` (or ``<root>.mtp``), or None. Checked on every access,
+        so a head grafted after ``bind`` is found."""
+        head = getattr(self.transformer, "mtp", None)
+        if head is None and self.root is not self.transformer:
+            head = getattr(self.root, "mtp", None)
+        if head is None:
+            return None
+        _check_mtp(head, self.config)
+        return head
+
+    # ------------------------------------------------------------------ embeddings / logits
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+        """Token embeddings: ids int64 ``[B,S]`` -> ``[B,S,H]`` in ``dtype`` on ``device``."""
+        out = self.transformer.embed_tokens(ids.to(device))
+        return out.to(device=device, dtype=dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]``."""
+        head = getattr(self.transformer, "lm_head", None)
+        if head is not None:
+            return head(h).float()
+        module = self.transformer.embed_tokens
+        if getattr(module, "comfy_cast_weights", False):
+            return _comfy_tied_logits(module, h).float()
+        w = module.weight
+        if w.dtype != h.dtype or w.device != h.device:
+            w = w.to(h)
+        return F.linear(h, w).float()
+
+
+def _comfy_tied_logits(module, h: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's tied-embedding logits with its weight casting/offloading (BaseGenerate.logits)."""
+    import comfy.ops
+
+    res = comfy.ops.cast_bias_weight(module, h, offloadable=True)
+    weight = res[0]
+    out = F.linear(h, weight, None)
+    if len(res) > 2 and hasattr(comfy.ops, "uncast_bias_weight"):
+        comfy.ops.uncast_bias_weight(module, weight, None, res[2])
+    return out
+
+
+def _missing(obj: Any, names) -> list[str]:
+    return [n for n in names if not hasattr(obj, n)]
+
+
+def _check_layers(layers, config: Qwen35Config) -> None:
+    if len(layers) != config.num_hidden_layers:
+        raise Qwen35Error(f"module tree has {len(layers)} layers but its config says {config.num_hidden_layers}")
+    for i, (layer, kind) in enumerate(zip(layers, config.layer_types)):
+        miss = _missing(layer, _LAYER_PARTS)
+        if kind == "linear_attention":
+            sub = getattr(layer, "linear_attn", None)
+            miss += ["linear_attn"] if sub is None else [f"linear_attn.{n}" for n in _missing(sub, _LINEAR_PARTS)]
+        else:
+            sub = getattr(layer, "self_attn", None)
+            miss += ["self_attn"] if sub is None else [f"self_attn.{n}" for n in _missing(sub, _ATTN_PARTS)]
+        if miss:
+            raise Qwen35Error(f"layers[{i}] ({kind}) lacks {miss}: not a Qwen3.5 module tree")
+
+
+def _check_mtp(head: Any, config: Qwen35Config) -> None:
+    miss = _missing(head, _MTP_PARTS)
+    if not miss:
+        layers = list(head.layers)
+        if len(layers) != 1:
+            raise Qwen35Error(f"MTP head has {len(layers)} layers; this engine supports exactly 1 (Qwen3.5)")
+        miss = [f"layers.0.{n}" for n in _missing(layers[0], _LAYER_PARTS + ("self_attn",))]
+    if miss:
+        raise Qwen35Error(f"MTP head lacks {miss}; build it with engine.build_mtp_head(tensors, config)")
+    w = getattr(head.fc, "weight", None)
+    if w is not None and tuple(w.shape) != (config.hidden_size, 2 * config.hidden_size):
+        raise Qwen35Error(f"MTP head fc.weight has shape {tuple(w.shape)}, expected "
+                          f"({config.hidden_size}, {2 * config.hidden_size}) for this model: wrong MTP file")
+
+
+def _config_of(transformer: Any) -> Qwen35Config:
+    cfg = getattr(transformer, "config", None)
+    if isinstance(cfg, Qwen35Config):
+        return cfg
+    if cfg is not None and hasattr(cfg, "linear_num_value_heads") and hasattr(cfg, "layer_types"):
+        return Qwen35Config.from_object(cfg, mtp_num_hidden_layers=0)
+    shapes = {k: v.shape for k, v in transformer.state_dict(keep_vars=True).items()
+              if not k.startswith("mtp.")}
+    return Qwen35Config.from_state_dict(shapes)
+
+
+def bind(module: Any) -> Qwen35Binding:
+    """Bind a Qwen3.5 tree: ComfyUI's ``Qwen35`` (BaseGenerate) instance, its ``.model``
+    (``Qwen35Transformer``), the standalone loader's model, or an existing binding (returned as is).
+
+    Raises Qwen35Error (naming the missing part) when the tree is not Qwen3.5.
+    """
+    if isinstance(module, Qwen35Binding):
+        return module
+    if _is_decoder(module):
+        transformer = module
+    elif _is_decoder(getattr(module, "model", None)):
+        transformer = module.model
+    else:
+        raise Qwen35Error(f"{type(module).__name__} is not a Qwen3.5 model: expected a module with "
+                          "embed_tokens/layers/norm, or one whose .model has them (ComfyUI's Qwen35)")
+    layers = list(transformer.layers)
+    if not any(hasattr(layer, "linear_attn") for layer in layers):
+        raise Qwen35Error(f"{type(transformer).__name__} has no Gated DeltaNet layers (layers[i].linear_attn): "
+                          "not Qwen3.5")
+    config = _config_of(transformer)
+    kinds = tuple("linear_attention" if hasattr(layer, "linear_attn") else "full_attention" for layer in layers)
+    if kinds != config.layer_types:
+        raise Qwen35Error("the layers' kinds (linear_attn / self_attn) disagree with config.layer_types")
+    _check_layers(layers, config)
+    binding = Qwen35Binding(transformer, module, config)
+    if binding.mtp is not None:
+        binding.config = config.replace(mtp_num_hidden_layers=1)
+    return binding

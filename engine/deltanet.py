@@ -1,0 +1,112 @@
+"""Gated delta rule: the recurrence of a Qwen3.5 DeltaNet layer, row by row or chunked.
+
+Per value head, with state ``S`` ``[Dk, Dv]`` (float32), decay ``a_t = exp(g_t)``, and unit-norm
+``k_t``, scaled unit-norm ``q_t``::
+
+    S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t
+
+``recurrent_rows`` applies it one row at a time and keeps the state after every row (what an MTP
+verify needs to restore the state at any accepted count). ``chunked_rows`` computes the same thing
+for a long prompt in chunks of 64 rows (WY form, triangular solves), returning only the final
+state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA / transformers convention)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor):
+    """Log-decay and write strength. a, b ``[B,S,Hv]`` -> g, beta float32 ``[B,S,Hv]``.
+
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` with ``neg_a = -exp(A_log)`` float32 ``[Hv]``;
+    ``beta = sigmoid(b)``.
+    """
+    g = neg_a * F.softplus(a.float() + dt_bias)
+    return g, torch.sigmoid(b.float())
+
+
+def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, value_heads: int):
+    """q, k ``[B,S,Hk,Dk]``, v ``[B,S,Hv,Dv]`` -> float32 q (L2-normed, scaled by ``Dk^-0.5``), k
+    (L2-normed), both repeated to ``Hv`` heads (value head h reads key head ``h // (Hv/Hk)``), and v."""
+    rep = value_heads // q.shape[2]
+    q = l2norm(q.float()) * (q.shape[-1] ** -0.5)
+    k = l2norm(k.float())
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=2)
+        k = k.repeat_interleave(rep, dim=2)
+    return q, k, v.float()
+
+
+def recurrent_rows(state: torch.Tensor, q, k, v, g, beta):
+    """Row-by-row gated delta rule, keeping every intermediate state.
+
+    state float32 ``[B,Hv,Dk,Dv]`` (not modified); q, k ``[B,S,Hv,Dk]``, v ``[B,S,Hv,Dv]``, g, beta
+    ``[B,S,Hv]`` (all float32, q/k prepared by ``prepare_qkv``). Returns ``(out [B,S,Hv,Dv],
+    states)`` with ``states[j]`` the state after row j (new tensors).
+    """
+    outs, states = [], []
+    s = state
+    decay = g.exp()
+    for j in range(q.shape[1]):
+        s = s * decay[:, j, :, None, None]
+        kj = k[:, j]
+        mem = torch.einsum("bhk,bhkv->bhv", kj, s)
+        delta = (v[:, j] - mem) * beta[:, j, :, None]
+        s = s + kj.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, j], s))
+        states.append(s)
+    return torch.stack(outs, dim=1), states
+
+
+def chunked_rows(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64):
+    """Chunked gated delta rule over many rows (same math as ``recurrent_rows``).
+
+    Same inputs; returns ``(out [B,S,Hv,Dv] float32, final_state [B,Hv,Dk,Dv] float32)``.
+    Within a chunk with cumulative log-decay ``G``: ``(I + L) U = beta*v - (beta*k*e^G) S0`` with
+    ``L[t,s] = beta_t (k_t.k_s) e^(G_t-G_s)`` for s < t, then ``O = (q e^G) S0 + (q k^T * D) U``
+    with ``D[t,s] = e^(G_t-G_s)`` for s <= t, and ``S = e^(G_last) S0 + (k e^(G_last-G))^T U``.
+    """
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    # [B,S,H,*] -> [B,H,N,C,*]; padded rows have k = v = q = 0, g = 0, beta = 0: no effect.
+    def split(x, last):
+        x = x.transpose(1, 2)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad) if last else (0, pad))
+        n = x.shape[2] // chunk
+        return x.reshape(b, h, n, chunk, -1) if last else x.reshape(b, h, n, chunk)
+
+    qc, kc, vc = split(q, True), split(k, True), split(v, True)
+    gc, bc = split(g, False), split(beta, False)
+    n = qc.shape[2]
+    gcum = gc.cumsum(dim=-1)  # [B,H,N,C]
+    diff = gcum.unsqueeze(-1) - gcum.unsqueeze(-2)  # [.., t, s] = G_t - G_s
+    lower_incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~lower_incl, float("-inf")).exp()  # D, zero above the diagonal
+    kb = kc * bc.unsqueeze(-1)
+    strict = decay.masked_fill(torch.eye(chunk, dtype=torch.bool, device=q.device), 0.0)
+    lmat = (kb @ kc.transpose(-1, -2)) * strict
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = lmat + eye
+    u_base = torch.linalg.solve_triangular(system, vc * bc.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * gcum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    qk = (qc @ kc.transpose(-1, -2)) * decay
+    q_decay = qc * gcum.exp().unsqueeze(-1)
+    k_tail = kc * (gcum[..., -1:] - gcum).exp().unsqueeze(-1)
+    last = gcum[..., -1].exp()  # [B,H,N]
+    out = torch.empty(b, h, n, chunk, dv, dtype=q.dtype, device=q.device)
+    s = state
+    for i in range(n):
+        u = u_base[:, :, i] - w[:, :, i] @ s
+        out[:, :, i] = q_decay[:, :, i] @ s + qk[:, :, i] @ u
+        s = s * last[:, :, i, None, None] + k_tail[:, :, i].transpose(-1, -2) @ u
+    out = out.reshape(b, h, n * chunk, dv)[:, :, :t].transpose(1, 2)
+    return out, s

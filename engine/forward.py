@@ -1,0 +1,144 @@
+"""Qwen3.5 forward pass over S new rows on top of a ``ModelCache`` (prefill, decode, MTP verify).
+
+Every layer stages its S rows in the cache (K/V written, DeltaNet state after each row kept);
+the caller then commits how many rows it keeps. Attention over the cache goes through
+``kernels.decode_attention`` when S <= 8 (cost follows the filled length), and through torch SDPA
+over the filled prefix for longer prompts. The DeltaNet recurrence runs row by row (keeping a
+state per row) for short inputs and chunked for prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import decode_attention
+from ..kernels.api import MAX_ROWS
+from ..patches.cache import DeltaNetState, KVCache, ModelCache
+from .binding import Qwen35Binding
+from .deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
+from .rope import Rope, apply_rope
+
+_KERNEL_HEAD_DIMS = (64, 128, 256)
+#: Longest input whose DeltaNet rows run one by one (longer inputs use the chunked form).
+ROWWISE_MAX = 16
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last S rows over a filled prefix (SDPA).
+
+    q ``[B,Hq,S,D]``, k, v ``[B,Hkv,L,D]`` (L >= S, the S new rows last) -> ``[B,Hq,S,D]``.
+    """
+    s, length = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if s == length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rows = torch.arange(s, device=q.device).view(s, 1) + (length - s)
+    mask = torch.arange(length, device=q.device).view(1, length) <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Runner:
+    """Runs the bound model on a cache. One per generation (it caches per-device constants)."""
+
+    def __init__(self, binding: Qwen35Binding, cache: ModelCache, *, dtype: torch.dtype, device,
+                 attention: str = "auto"):
+        self.b = binding
+        self.cfg = binding.config
+        self.cache = cache
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.attention = attention
+        cfg = self.cfg
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, self.device)
+        self._consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(binding.layers):
+            if cfg.layer_types[i] == "linear_attention":
+                la = layer.linear_attn
+                neg_a = -la.A_log.detach().to(self.device, torch.float32).exp()
+                self._consts[i] = (neg_a, la.dt_bias.detach().to(self.device, torch.float32))
+
+    # ------------------------------------------------------------------ model
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, *, keep_rows: bool = True):
+        """Stage S rows in every layer. x ``[B,S,H]`` (execution dtype), pos int64 ``[3,S]``.
+
+        Returns ``(hidden, prenorm)``: the final hidden after the model norm and before it, both
+        ``[B,S,H]``. ``keep_rows`` keeps the DeltaNet state after every row (needed to commit fewer
+        than S rows); without it long inputs use the chunked recurrence.
+        """
+        cos, sin = self.rope.tables(pos)
+        for i, layer in enumerate(self.b.layers):
+            state = self.cache.layers[i]
+            xn = layer.input_layernorm(x)
+            if isinstance(state, DeltaNetState):
+                mixed = self._deltanet(i, layer.linear_attn, xn, state, keep_rows)
+            else:
+                mixed = self._attention(layer.self_attn, xn, state, cos, sin)
+            x = x + mixed
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.b.transformer.norm(x), x
+
+    def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Stage S rows of the MTP head in ``cache.mtp``: hidden, emb ``[B,S,H]`` -> normed ``[B,S,H]``.
+
+        ``fc(cat[pre_fc_norm_embedding(emb), pre_fc_norm_hidden(hidden)])``, one full-attention
+        layer, then the head's own ``norm`` (vLLM's Qwen3.5 MTP order).
+        """
+        head = self.b.mtp
+        cos, sin = self.rope.tables(pos)
+        x = head.fc(torch.cat([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)], dim=-1))
+        layer = head.layers[0]
+        x = x + self._attention(layer.self_attn, layer.input_layernorm(x), self.cache.mtp, cos, sin)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return head.norm(x)
+
+    # ------------------------------------------------------------------ mixers
+    def _attention(self, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, _ = xn.shape
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        qg = attn.q_proj(xn).view(b, s, hq, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(b, s, hq * d)
+        k = attn.k_proj(xn).view(b, s, hkv, d)
+        v = attn.v_proj(xn).view(b, s, hkv, d).transpose(1, 2)
+        q = apply_rope(attn.q_norm(q).transpose(1, 2), cos, sin)
+        k = apply_rope(attn.k_norm(k).transpose(1, 2), cos, sin)
+        lengths = kv.write(k, v)
+        if s <= MAX_ROWS and d in _KERNEL_HEAD_DIMS:
+            o = decode_attention(q.contiguous(), kv.k, kv.v, lengths, causal=True, backend=self.attention)
+        else:
+            o = prefix_attention(q, *kv.filled())
+        o = o.transpose(1, 2).reshape(b, s, hq * d) * torch.sigmoid(gate)
+        return attn.o_proj(o)
+
+    def _deltanet(self, index: int, la, xn: torch.Tensor, state: DeltaNetState, keep_rows: bool) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, _ = xn.shape
+        kernel = cfg.conv_kernel_size
+        qkv = la.in_proj_qkv(xn)
+        z = la.in_proj_z(xn)
+        beta_in = la.in_proj_b(xn)
+        a_in = la.in_proj_a(xn)
+        window = torch.cat([state.conv.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
+        mixed = F.silu(la.conv1d(window)[..., kernel - 1:kernel - 1 + s]).transpose(1, 2)
+        q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q = q.reshape(b, s, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        k = k.reshape(b, s, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        v = v.reshape(b, s, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        neg_a, dt_bias = self._consts[index]
+        g, beta = gates(a_in, beta_in, neg_a, dt_bias)
+        q, k, v = prepare_qkv(q, k, v, cfg.linear_num_value_heads)
+        if keep_rows or s <= ROWWISE_MAX:
+            out, states = recurrent_rows(state.recurrent, q, k, v, g, beta)
+            if not keep_rows:
+                states = states[-1:]
+        else:
+            out, final = chunked_rows(state.recurrent, q, k, v, g, beta)
+            states = [final]
+        state.stage(states, window, s)
+        dv = cfg.linear_value_head_dim
+        o = la.norm(out.to(xn.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, cfg.value_dim)
+        return la.out_proj(o)

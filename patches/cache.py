@@ -1,0 +1,200 @@
+"""Length-aware generation cache: fixed-capacity K/V with a device length, DeltaNet state with
+exact restore after a partly accepted verify.
+
+Rows are written in two phases so that a speculative verify can keep only a prefix of them:
+``write``/``stage`` put S new rows in place (attention over them sees ``length + S`` slots), then
+``commit(n)`` keeps the first n (0 <= n <= S). ``rollback(n)`` drops n committed rows of a K/V
+cache (the MTP head's drafts). Nothing here ever reads or clears unfilled slots, so allocating a
+huge capacity costs no time per token.
+
+DeltaNet restore: the verify forward keeps the recurrent state after every one of its rows
+(per-row snapshots), so ``commit(n)`` just picks state n. A deferred-replay alternative (keep the
+pre-verify state, recompute the kept rows after acceptance) costs the same recurrence again for
+every partly accepted step and is measured in the tests; snapshots are never slower and need no
+second pass, so they are what the engine uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.errors import Qwen35Error
+
+
+class KVCache:
+    """K/V of one full-attention layer: ``k``, ``v`` ``[B,Hkv,C,D]``, ``length`` int32 ``[B]`` on the
+    device (filled slots, including staged rows) and ``host_length`` (committed slots, int)."""
+
+    def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, *, dtype: torch.dtype,
+                 device, fill: float | None = None):
+        if capacity < 1:
+            raise Qwen35Error(f"KV cache capacity must be >= 1, got {capacity}")
+        self.k = torch.empty(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        if fill is not None:
+            self.k.fill_(fill)
+            self.v.fill_(fill)
+        self.length = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.host_length = 0
+        self.staged = 0
+        self._rows = torch.arange(64, device=device, dtype=torch.int64)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """Stage S rows (``[B,Hkv,S,D]``) at the committed length; returns the device ``length``
+        (committed + S), ready for ``decode_attention``. Raises Qwen35Error on overflow."""
+        if self.staged:
+            raise Qwen35Error(f"KVCache.write: {self.staged} staged rows not committed; call commit(n) first")
+        s = k_new.shape[2]
+        if k_new.shape != v_new.shape or k_new.shape[:2] != self.k.shape[:2] or k_new.shape[3] != self.k.shape[3]:
+            raise Qwen35Error(f"KVCache.write: k {tuple(k_new.shape)} / v {tuple(v_new.shape)} do not fit a "
+                              f"cache of shape {tuple(self.k.shape)}")
+        end = self.host_length + s
+        if end > self.capacity:
+            raise Qwen35Error(f"KV cache overflow: {self.host_length} filled + {s} new rows > capacity "
+                              f"{self.capacity}; allocate the cache for prompt + max_length (+ MTP depth + 1)")
+        if s > self._rows.numel():
+            self._rows = torch.arange(s, device=self.k.device, dtype=torch.int64)
+        # Slot indices come from the device length, so the write needs no host value (graph friendly).
+        idx = self._rows[:s] + self.length[0].to(torch.int64)
+        self.k.index_copy_(2, idx, k_new.to(self.k.dtype))
+        self.v.index_copy_(2, idx, v_new.to(self.v.dtype))
+        self.length.add_(s)
+        self.staged = s
+        return self.length
+
+    def commit(self, n: int | None = None) -> None:
+        """Keep the first n staged rows (default all) and drop the rest."""
+        n = self.staged if n is None else n
+        if not 0 <= n <= self.staged:
+            raise Qwen35Error(f"KVCache.commit: cannot keep {n} of {self.staged} staged rows")
+        if n != self.staged:
+            self.length.sub_(self.staged - n)
+        self.host_length += n
+        self.staged = 0
+
+    def rollback(self, n: int) -> None:
+        """Drop the last n committed rows."""
+        if self.staged:
+            raise Qwen35Error("KVCache.rollback: commit the staged rows first")
+        if not 0 <= n <= self.host_length:
+            raise Qwen35Error(f"KVCache.rollback: cannot drop {n} of {self.host_length} rows")
+        if n:
+            self.length.sub_(n)
+            self.host_length -= n
+
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the filled slots (committed + staged): k, v ``[B,Hkv,L,D]``."""
+        end = self.host_length + self.staged
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class DeltaNetState:
+    """State of one DeltaNet layer: ``recurrent`` float32 ``[B,Hv,Dk,Dv]`` and ``conv`` (the last K-1
+    conv inputs, ``[B,conv_dim,K-1]`` in the execution dtype)."""
+
+    def __init__(self, batch: int, value_heads: int, key_head_dim: int, value_head_dim: int, conv_dim: int,
+                 kernel: int, *, dtype: torch.dtype, device):
+        self.recurrent = torch.zeros(batch, value_heads, key_head_dim, value_head_dim, dtype=torch.float32,
+                                     device=device)
+        self.conv = torch.zeros(batch, conv_dim, kernel - 1, dtype=dtype, device=device)
+        self.kernel = kernel
+        self._states: list[torch.Tensor] | None = None
+        self._window: torch.Tensor | None = None
+        self._rows = 0
+
+    @property
+    def staged(self) -> int:
+        return self._rows
+
+    def stage(self, states: list[torch.Tensor], window: torch.Tensor, rows: int) -> None:
+        """Record the outcome of ``rows`` new rows without applying it.
+
+        ``states``: the recurrent state after each row (``len == rows``), or only the final one
+        (``len == 1``; then only ``commit(rows)`` or ``commit(0)`` are possible). ``window``: the conv
+        inputs ``[B,conv_dim,K-1+rows]`` (old window followed by the new rows).
+        """
+        if self._rows:
+            raise Qwen35Error(f"DeltaNetState.stage: {self._rows} staged rows not committed")
+        if len(states) not in (1, rows) or window.shape[-1] != self.kernel - 1 + rows:
+            raise Qwen35Error(f"DeltaNetState.stage: {len(states)} states / window of {window.shape[-1]} "
+                              f"columns do not describe {rows} rows")
+        self._states, self._window, self._rows = states, window, rows
+
+    def commit(self, n: int | None = None) -> None:
+        """Apply the first n staged rows (default all); n = 0 discards them."""
+        rows = self._rows
+        n = rows if n is None else n
+        if not 0 <= n <= rows:
+            raise Qwen35Error(f"DeltaNetState.commit: cannot keep {n} of {rows} staged rows")
+        if n:
+            if len(self._states) == rows:
+                state = self._states[n - 1]
+            elif n == rows:
+                state = self._states[-1]
+            else:
+                raise Qwen35Error(f"DeltaNetState.commit: only the final state of {rows} rows was kept, "
+                                  f"so {n} rows cannot be committed")
+            self.recurrent.copy_(state)
+            self.conv.copy_(self._window[..., n:n + self.kernel - 1])
+        self._states, self._window, self._rows = None, None, 0
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of (recurrent, conv)."""
+        return self.recurrent.clone(), self.conv.clone()
+
+    def restore(self, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Put back a ``snapshot()`` (drops staged rows)."""
+        self.recurrent.copy_(snap[0])
+        self.conv.copy_(snap[1])
+        self._states, self._window, self._rows = None, None, 0
+
+
+class ModelCache:
+    """Everything a Qwen3.5 generation keeps between steps.
+
+    ``layers[i]`` is a ``KVCache`` (full attention) or a ``DeltaNetState`` (linear attention);
+    ``mtp`` is the MTP layer's ``KVCache`` or None. ``config`` needs the fields of
+    ``engine.Qwen35Config``. ``fill`` writes a value into every K/V slot first (NaN to prove that
+    unfilled slots are never read; 0 for the capacity-bound "masked" baseline).
+    """
+
+    def __init__(self, config, *, batch: int, capacity: int, dtype: torch.dtype, device, mtp: bool = False,
+                 fill: float | None = None):
+        c = config
+        self.capacity = capacity
+
+        def kv():
+            return KVCache(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype, device=device, fill=fill)
+
+        self.layers: list[KVCache | DeltaNetState] = []
+        for kind in c.layer_types:
+            if kind == "full_attention":
+                self.layers.append(kv())
+            else:
+                self.layers.append(DeltaNetState(
+                    batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                    2 * c.linear_num_key_heads * c.linear_key_head_dim
+                    + c.linear_num_value_heads * c.linear_value_head_dim,
+                    c.conv_kernel_size, dtype=dtype, device=device))
+        self.mtp = kv() if mtp else None
+        self._first_kv = next(x for x in self.layers if isinstance(x, KVCache))
+
+    @property
+    def length(self) -> int:
+        """Committed rows of the main model."""
+        return self._first_kv.host_length
+
+    def commit(self, n: int | None = None) -> None:
+        """Keep the first n staged rows in every main layer (default all)."""
+        for layer in self.layers:
+            layer.commit(n)
+
+    def delta_states(self) -> list[DeltaNetState]:
+        return [x for x in self.layers if isinstance(x, DeltaNetState)]
+
+    def kv_caches(self) -> list[KVCache]:
+        return [x for x in self.layers if isinstance(x, KVCache)]

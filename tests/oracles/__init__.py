@@ -1,0 +1,1 @@
+"""Test-only reference implementations and tiny random checkpoints."""
