@@ -293,10 +293,10 @@ def default_execution_dtype(device):
 
 
 def _engine_generate():
-    """The engine's ``generate`` (looked up at call time)."""
-    from .generate import generate
+    """The engine's public ``generate`` (looked up at call time on the ``engine`` package)."""
+    import sys
 
-    return generate
+    return sys.modules[__package__].generate
 
 
 def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int, temperature: float,

@@ -58,7 +58,7 @@ def read_mtp_tensors(path: str, device="cpu") -> dict:
 
 def _engine_config(target: bridge.Qwen35Target):
     """The engine's config for the loaded ComfyUI model (through its binding)."""
-    from ..engine.binding import bind
+    from ..engine import bind
 
     binding = bind(target.transformer)
     config = getattr(binding, "config", None)
@@ -82,8 +82,7 @@ def graft_mtp(clip, tensors: dict, *, source: str = "") -> int:
 
     Raises MTPHeadError naming the file and the tensor when the head does not fit the model.
     """
-    from ..engine.errors import Qwen35Error
-    from ..engine.loader import build_mtp_head
+    from ..engine import Qwen35Error, build_mtp_head
 
     target = bridge.find_qwen35(clip)
     config = _engine_config(target)

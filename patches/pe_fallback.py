@@ -51,12 +51,12 @@ def parse_answer(answer: str) -> PEResult:
 
 
 def size_for_ratio(wh_ratio, megapixels: float, multiple: int = 16) -> tuple[int, int]:
-    """Width/height near ``megapixels`` (MiB pixels) with aspect ``wh_ratio`` ("16:9"), multiples of 16."""
+    """Width/height near ``megapixels`` (millions of pixels) with aspect ``wh_ratio`` ("16:9"), multiples of 16."""
     ratio = 1.0
     m = _RATIO.match(str(wh_ratio or ""))
     if m and float(m.group(2)) > 0:
         ratio = float(m.group(1)) / float(m.group(2))
-    area = max(megapixels, 0.01) * 1024 * 1024
+    area = max(megapixels, 0.01) * 1e6
     w = math.sqrt(area * ratio)
     h = w / ratio
     return (max(multiple, int(round(w / multiple)) * multiple), max(multiple, int(round(h / multiple)) * multiple))

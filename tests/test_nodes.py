@@ -26,7 +26,7 @@ import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
 import comfy_execution.utils as exec_utils  # noqa: E402
 import folder_paths  # noqa: E402
-import qwen35_fast.engine.loader as engine_loader  # noqa: E402
+import qwen35_fast.engine as engine_pkg  # noqa: E402
 import server  # noqa: E402
 from qwen35_fast.engine import comfy_bridge as bridge  # noqa: E402
 from qwen35_fast.engine.errors import Qwen35Error  # noqa: E402
@@ -457,7 +457,7 @@ def te_folder(tmp_path, monkeypatch):
             raise Qwen35Error("mtp.fc.weight has shape [2, 3], expected [2, 4]")
         return torch.nn.Linear(4, 2)
 
-    monkeypatch.setattr(engine_loader, "build_mtp_head", fake_build)
+    monkeypatch.setattr(engine_pkg, "build_mtp_head", fake_build)
     monkeypatch.setattr(mtp_graft, "_engine_config", lambda target: "config")
     yield tmp_path, grafts
     comfy.sd.LOADER = None
