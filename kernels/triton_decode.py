@@ -14,10 +14,18 @@ Two launches over a fixed grid, so one CUDA graph serves every length:
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # very old Triton: nothing to catch by name
+    OutOfResources = ()
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -118,28 +126,47 @@ def _combine_kernel(
     w = tl.exp2(lse - m_safe)
     total = tl.sum(w, 0)
     offs_d = d0 + tl.arange(0, BLOCK_D)
-    o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=(w > 0)[:, None], other=0.0)
+    # loaded together with the lse (not after it); stale partials of empty splits get weight 0
+    o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=(splits < N_SPLIT)[:, None], other=0.0)
+    o = tl.where((w > 0)[:, None], o, 0.0)
     acc = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(OUT + b * so_b + h * so_h + s * so_s + offs_d, acc.to(OUT.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_limits(device_index: int) -> tuple[int, int]:
+    """(SM count, shared memory a block may opt in to, in bytes)."""
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return props.multi_processor_count, smem
+
+
+# (BLOCK_N, num_stages) from fastest to smallest; tuned on an H200 (benchmarks/decode_attention.py --tune)
+_TILES = ((64, 3), (64, 2), (32, 3), (32, 2), (16, 2), (16, 1))
 
 
 def default_splits(q: torch.Tensor, hkv: int, n_mb: int) -> int:
-    """Fixed split count: enough programs for two waves over the SMs (4 on the interpreter)."""
+    """Fixed split count: about one program per SM over the whole grid (4 on the interpreter)."""
     if q.device.type != "cuda":
         return 4
     programs = q.shape[0] * hkv * n_mb
-    return max(1, min(128, -(-2 * _sm_count(q.device.index or 0) // programs)))
+    return max(1, min(128, -(-_device_limits(q.device.index or 0)[0] // programs)))
 
 
-def default_config(d: int, itemsize: int) -> dict:
-    """Tile size and launch options; K+V tiles of BLOCK_N rows must fit shared memory twice."""
-    block_n = 64 if d * itemsize <= 512 else 32
-    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+_SHRUNK: dict[tuple, int] = {}  # (device, dtype, D, BLOCK_M) -> first _TILES index that compiled
+
+
+def default_config(d: int, itemsize: int, block_m: int, smem_limit: int, start: int = 0) -> dict:
+    """Largest tile / pipeline depth whose K+V stages fit the device's shared memory.
+
+    8 warps pay off once the query block has 32+ rows (S >= 4 for Qwen3.5's 4 query heads per kv
+    head); a consumer GPU with ~100 KB of shared memory gets a smaller tile instead of a failure.
+    """
+    for block_n, stages in _TILES[start:]:
+        need = stages * 2 * block_n * d * itemsize + block_m * d * itemsize + 4096
+        if need <= smem_limit:
+            break
+    return {"BLOCK_N": block_n, "num_stages": stages, "num_warps": 8 if block_m >= 32 else 4}
 
 
 def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float,
@@ -157,23 +184,35 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     block_m = max(16, triton.next_power_of_2(min(rows, 64)))
     n_mb = -(-rows // block_m)
     n_split = n_split or default_splits(q, hkv, n_mb)
-    cfg = dict(default_config(d, q.element_size()), **(config or {}))
-    block_n = cfg.pop("BLOCK_N")
+    key = (str(q.device), q.dtype, d, block_m)
+    smem = _device_limits(q.device.index or 0)[1] if q.device.type == "cuda" else 1 << 30
+    cfg = dict(default_config(d, q.element_size(), block_m, smem, _SHRUNK.get(key, 0)), **(config or {}))
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     o_part = torch.empty(b_sz * hkv * n_split * rows * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b_sz * hkv * n_split * rows, dtype=torch.float32, device=q.device)
     out = torch.empty(b_sz, hq, s, d, dtype=q.dtype, device=q.device)
     log2e = 1.4426950408889634
-    _split_kernel[(b_sz * hkv * n_mb, n_split)](
-        q, k_cache, v_cache, lengths, o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        cap, hkv, n_mb, scale * log2e,
-        S=s, G=g, D=d, N_SPLIT=n_split, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, IEEE=q.dtype == torch.float32, **cfg,
-    )
+    while True:
+        block_n = cfg.pop("BLOCK_N")
+        try:
+            _split_kernel[(b_sz * hkv * n_mb, n_split)](
+                q, k_cache, v_cache, lengths, o_part, lse_part,
+                q.stride(0), q.stride(1), q.stride(2),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                cap, hkv, n_mb, scale * log2e,
+                S=s, G=g, D=d, N_SPLIT=n_split, BLOCK_M=block_m, BLOCK_N=block_n,
+                CAUSAL=causal, IEEE=q.dtype == torch.float32, **cfg,
+            )
+            break
+        except OutOfResources as exc:  # the estimate missed: take the next smaller tile, once per shape
+            nxt = _SHRUNK.get(key, 0) + 1
+            if config or nxt >= len(_TILES):
+                raise
+            log.warning("decode_attention: %s; retrying with a smaller tile", exc)
+            _SHRUNK[key] = nxt
+            cfg = default_config(d, q.element_size(), block_m, smem, nxt)
     if split_only:
         return o_part, lse_part
     _combine_kernel[(b_sz * hq * s, d // 64)](

@@ -286,3 +286,17 @@ def test_gpu_poison_and_agreement():
             assert torch.isnan(o).any()
         else:
             assert torch.equal(o, outs[b]), b
+
+
+def test_tile_fits_shared_memory():
+    """H200-class GPUs get the tuned tile; smaller shared memory gets a smaller tile, never a failure."""
+    big = td.default_config(256, 2, 16, 232448)
+    assert (big["BLOCK_N"], big["num_stages"]) == (64, 3)
+    assert td.default_config(256, 2, 32, 232448)["num_warps"] == 8
+    a100 = td.default_config(256, 2, 16, 166912)
+    assert (a100["BLOCK_N"], a100["num_stages"]) == (64, 2)
+    rtx = td.default_config(256, 2, 16, 101376)
+    assert (rtx["BLOCK_N"], rtx["num_stages"]) == (32, 2)
+    fp32 = td.default_config(256, 4, 32, 101376)
+    assert 2 * fp32["num_stages"] * fp32["BLOCK_N"] * 256 * 4 <= 101376
+    assert td.default_config(256, 2, 16, 232448, start=1)["num_stages"] == 2  # shrink step after a failure
