@@ -13,7 +13,8 @@ replay time / 8. Backends side by side:
 
 floor = 4096 * L bytes (K+V of 4 kv heads x 256 x bf16) / measured device copy bandwidth.
 
-Usage: python benchmarks/decode_attention.py [--quick] [--tune] [--json out.json]
+Usage: python benchmarks/decode_attention.py [--quick] [--tune [--tune-only]] [--json out.json]
+       python benchmarks/decode_attention.py --report out.json   (markdown table of a saved run)
 """
 
 from __future__ import annotations
@@ -193,13 +194,29 @@ def check_targets(rows: list[dict], backends: list[str]) -> list[str]:
     return lines
 
 
+def markdown(result: dict) -> str:
+    """README table of a saved run: microseconds per layer call, triton's share of the floor."""
+    backends = [b for b in ("triton", "kitchen", "sdpa", "masked") if b in result["rows"][0]]
+    lines = ["| C | L | S | floor us | " + " | ".join(f"{b} us" for b in backends) + " | triton vs floor |",
+             "|" + "---|" * (5 + len(backends))]
+    for r in result["rows"]:
+        lines.append(f"| {r['C']} | {r['L']} | {r['S']} | {r['floor_us']:.2f} | "
+                     + " | ".join(f"{r[b]:.2f}" for b in backends)
+                     + f" | {100 * r['floor_us'] / r['triton']:.0f}% |")
+    return "\n".join(lines + [""] + [f"- {t}" for t in result.get("targets", [])])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few points only")
     ap.add_argument("--tune", action="store_true", help="sweep Triton options first")
     ap.add_argument("--tune-only", action="store_true", help="stop after the sweep")
     ap.add_argument("--json", default="decode_attention.json")
+    ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()
+    if args.report:
+        print(markdown(json.loads(Path(args.report).read_text())))
+        return
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
     dev = torch.cuda.get_device_name(0)
