@@ -70,13 +70,12 @@ class Reference:
         v = (x @ self.w[p + "v_proj.weight"].T).view(t, hkv, hd)
         q = self.rotate(self.rms(q, self.w[p + "q_norm.weight"]), ang)
         k = self.rotate(self.rms(k, self.w[p + "k_norm.weight"]), ang)
-        out = torch.zeros(t, hq, hd, dtype=F64)
         group = hq // hkv
-        for h in range(hq):
-            kv = h // group
-            scores = (q[:, h] @ k[:, kv].T) / math.sqrt(hd)
-            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-            out[:, h] = torch.softmax(scores, dim=-1) @ v[:, kv]
+        kh = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+        vh = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q, kh) / math.sqrt(hd)
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), vh)
         out = out.reshape(t, hq * hd) * torch.sigmoid(gate)
         return out @ self.w[p + "o_proj.weight"].T
 
@@ -94,25 +93,24 @@ class Reference:
         g = -torch.exp(self.w[p + "A_log"]) * torch.nn.functional.softplus(a + self.w[p + "dt_bias"])
         conv_w = self.w[p + "conv1d.weight"][:, 0, :]  # [C, K]
         padded = torch.cat([torch.zeros(kern - 1, mixed_in.shape[1], dtype=F64), mixed_in], dim=0)
+        # causal depthwise conv: output t = sum_m w[:, m] * input[t - K + 1 + m]
+        conv = sum(padded[m:m + t] * conv_w[:, m] for m in range(kern))
+        mixed_all = torch.nn.functional.silu(conv)  # [T, C]
         state = torch.zeros(hv, dk, dv, dtype=F64)
         outs = []
         rep = hv // hk
         for i in range(t):
-            window = padded[i:i + kern]  # [K, C], oldest first
-            mixed = torch.nn.functional.silu((window.T * conv_w).sum(-1))
+            mixed = mixed_all[i]
             q = mixed[:hk * dk].view(hk, dk).repeat_interleave(rep, 0)
             k = mixed[hk * dk:2 * hk * dk].view(hk, dk).repeat_interleave(rep, 0)
             v = mixed[2 * hk * dk:].view(hv, dv)
             q = q / q.norm(dim=-1, keepdim=True) / math.sqrt(dk)
             k = k / k.norm(dim=-1, keepdim=True)
-            o = torch.zeros(hv, dv, dtype=F64)
-            for h in range(hv):
-                s = state[h] * torch.exp(g[i, h])
-                u = beta[i, h] * (v[h] - s.T @ k[h])
-                s = s + torch.outer(k[h], u)
-                state[h] = s
-                o[h] = s.T @ q[h]
-            outs.append(o)
+            # per head h: S = S e^g; u = beta (v - S^T k); S += k u^T; o = S^T q
+            state = state * torch.exp(g[i])[:, None, None]
+            u = beta[i][:, None] * (v - torch.einsum("hkv,hk->hv", state, k))
+            state = state + k[:, :, None] * u[:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", state, q))
         o = torch.stack(outs)  # [T, Hv, Dv]
         o = self.rms(o, self.w[p + "norm.weight"], add=False) * torch.nn.functional.silu(z)
         conv_tail = padded[-(kern - 1):].T.contiguous()

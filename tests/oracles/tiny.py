@@ -122,3 +122,19 @@ def to_layout(sd: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tenso
         else:
             out[("model.language_model." if layout == "hf" else "model.") + name] = t
     return out
+
+
+def save(sd: dict[str, torch.Tensor], path, layout: str = "hf") -> str:
+    """Write ``sd`` (canonical names) to a safetensors file in ``layout``; returns the path."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in to_layout(sd, layout).items()}, str(path))
+    return str(path)
+
+
+def engine_model(sd: dict[str, torch.Tensor], directory, layout: str = "hf", **kwargs):
+    """Save ``sd`` under ``directory`` and load it with the engine's standalone loader."""
+    from qwen35_fast.engine import load_standalone
+
+    path = save(sd, f"{directory}/tiny-{layout}.safetensors", layout)
+    return load_standalone(path, **kwargs)

@@ -1,0 +1,143 @@
+"""generate()/bind() surface: callbacks and interrupts, stop tokens, min_tokens, dtypes, bad requests."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from qwen35_fast.engine import GenerationStats, Qwen35Binding, Qwen35Error, bind, generate
+
+from tests.oracles.tiny import add_mtp, engine_model, make_tiny
+
+
+@pytest.fixture
+def model(tmp_path, rng):
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    sd, d = make_tiny(seed, strength=0.2)
+    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
+    return engine_model(sd, tmp_path), d
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kw", [dict(do_sample=False, mtp="off"), dict(do_sample=True, seed=5, mtp=3)])
+def test_interrupt_leaves_model_reusable(model, rng, kw):
+    m, d = model
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    fresh = generate(m, prompt, max_length=30, stop_tokens=[], **kw)
+
+    def interrupt(all_tokens, new, stats):
+        if len(all_tokens) >= 9:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        generate(m, prompt, max_length=30, stop_tokens=[], callback=interrupt, **kw)
+    again = generate(m, prompt, max_length=30, stop_tokens=[], **kw)
+    assert again.tokens == fresh.tokens
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_callback_stream_and_stats(model, rng):
+    m, d = model
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    calls = []
+    res = generate(m, prompt, do_sample=False, max_length=25, mtp=3, stop_tokens=[],
+                   callback=lambda all_tokens, new, stats: calls.append((all_tokens, new, stats.tokens)))
+    assert sum((c[1] for c in calls), []) == res.tokens
+    assert all(c[0] == res.tokens[:len(c[0])] and c[2] == len(c[0]) for c in calls)
+    s = res.stats
+    assert isinstance(s, GenerationStats)
+    assert s.tokens == 25 and s.steps == len(calls) - 1 and s.mtp_depth == 3
+    assert s.prefill_s > 0 and s.decode_s > 0 and s.tok_per_s > 0 and s.attention_backend == "torch"
+
+
+def test_stop_tokens_and_min_tokens(model, rng):
+    m, d = model
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    plain = generate(m, prompt, do_sample=False, max_length=20, mtp="off", stop_tokens=[])
+    stop = plain.tokens[0]
+    res = generate(m, prompt, do_sample=False, max_length=20, mtp="off", stop_tokens=[stop])
+    assert res.tokens == [stop] and res.stop_reason == "stop_token"
+    for mtp in ("off", 3):
+        held = generate(m, prompt, do_sample=False, max_length=20, mtp=mtp, stop_tokens=[stop], min_tokens=4)
+        assert stop not in held.tokens[:4] and len(held.tokens) >= 4
+        assert held.tokens[0] != stop
+        if stop in held.tokens:
+            assert held.tokens[-1] == stop and held.stop_reason == "stop_token"
+    # default stop tokens come from the config (none for a tiny vocabulary)
+    assert bind(m).config.stop_tokens == ()
+
+
+def test_bfloat16_execution(model, rng):
+    m, d = model
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    res = generate(m, prompt, do_sample=False, max_length=12, mtp=2, execution_dtype=torch.bfloat16)
+    assert len(res.tokens) == 12 and all(0 <= t < d["vocab_size"] for t in res.tokens)
+
+
+def test_bind_accepts_the_known_trees(model):
+    m, d = model
+    b = bind(m)
+    assert isinstance(b, Qwen35Binding) and bind(b) is b
+    assert bind(m.model).transformer is m.model and bind(m.model).mtp is m.model.mtp
+    # ComfyUI's tree: a BaseGenerate-like object whose .model is the decoder, config with ComfyUI's fields
+    comfy_cfg = SimpleNamespace(**{k: v for k, v in vars(m.model.config).items()
+                                   if k not in ("mtp_num_hidden_layers", "mrope_interleaved")})
+    decoder = m.model
+    head = decoder.mtp
+    decoder.mtp = None
+    try:
+        decoder.config = comfy_cfg
+        wrapper = SimpleNamespace(model=decoder, mtp=head)  # the MTP head on the outer object is found too
+        b2 = bind(wrapper)
+        assert b2.mtp is head and b2.config.hidden_size == d["hidden_size"]
+        assert bind(SimpleNamespace(model=decoder)).mtp is None
+    finally:
+        decoder.mtp = head
+        decoder.config = b.config
+
+
+def test_bind_rejects_other_trees(model):
+    m, _ = model
+    with pytest.raises(Qwen35Error, match="not a Qwen3.5 model"):
+        bind(torch.nn.Linear(3, 3))
+    plain = SimpleNamespace(embed_tokens=1, norm=1, layers=[SimpleNamespace(self_attn=1)])
+    with pytest.raises(Qwen35Error, match="Gated DeltaNet"):
+        bind(plain)
+    layer = m.model.layers[0]
+    saved = layer.linear_attn.in_proj_z
+    del layer.linear_attn.in_proj_z
+    try:
+        with pytest.raises(Qwen35Error, match=r"layers\[0\].*in_proj_z"):
+            bind(m)
+    finally:
+        layer.linear_attn.in_proj_z = saved
+
+
+def test_bad_requests(model):
+    m, d = model
+    h = d["hidden_size"]
+    cases = [
+        (dict(embeds=torch.randn(2, 4, h)), "batch size 2"),
+        (dict(embeds=torch.randn(4, h + 1)), "hidden size"),
+        (dict(embeds=torch.randn(0, h)), "no prompt rows"),
+        (dict(embeds=torch.zeros(4, h, dtype=torch.long)), "floating"),
+        (dict(max_length=0), "max_length"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(attention="flash"), "attention must be one of"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(mtp_draft="beam"), "mtp_draft"),
+        (dict(position_ids=torch.arange(5)), "cover 5 rows"),
+        (dict(position_ids=torch.zeros(2, 4)), "position_ids"),
+    ]
+    for kw, msg in cases:
+        args = dict(embeds=torch.randn(4, h), max_length=4)
+        args.update(kw)
+        with pytest.raises(Qwen35Error, match=msg):
+            generate(m, args.pop("embeds"), **args)
