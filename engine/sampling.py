@@ -1,0 +1,305 @@
+"""Token sampling that reproduces ComfyUI's ``BaseGenerate.sample_token`` as a distribution.
+
+``target_probs`` returns the probabilities ComfyUI's sampler draws from (penalties, temperature,
+top-k, min-p, top-p, in that order and with the same tie rules), so a speculative decoder can
+accept or reject drafts against exactly that distribution. ``sample`` draws from it,
+``speculative_accept`` is the exact accept / resample rule for one draft token, and
+``greedy_accept_count`` is its greedy counterpart.
+
+ComfyUI's filters, restated (``x`` are the logits of one row):
+
+* repetition penalty ``r`` and presence penalty ``c`` act once on every distinct token of the
+  history: ``x = x * r if x < 0 else x / r``, then ``x = x - c``;
+* ``x = x / temperature`` unless the temperature is exactly 1;
+* ``top_k > 0``: keep the ``min(top_k, V)`` largest (``torch.topk``); all later filters work on
+  those survivors only. ``top_k == 0`` skips this and the later filters see the whole vocabulary;
+* ``min_p > 0``: drop tokens whose softmax probability is strictly below ``min_p * max``;
+* ``top_p < 1``: sort descending, drop every token whose inclusive cumulative probability is
+  strictly above ``top_p``, but always keep the first;
+* dropped tokens get ``finfo(dtype).min`` (not ``-inf``), then a softmax.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class SamplingParams:
+    """ComfyUI's sampling knobs, with the same defaults as ``BaseGenerate.generate``."""
+
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        """True when ComfyUI takes its argmax path (no sampling, no penalties, no filters)."""
+        return (not self.do_sample) or self.temperature == 0
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError naming the first bad field; return self so calls can chain."""
+        t = self.temperature
+        if not _is_real(t) or not (t >= 0) or math.isinf(t):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 means greedy), "
+                             f"got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 disables top-k), "
+                             f"got {self.top_k!r}")
+        if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 disables top-p), got {self.top_p!r}")
+        if not _is_real(self.min_p) or not (0 <= self.min_p <= 1):
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 disables min-p), got {self.min_p!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not (r > 0) or math.isinf(r):
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 "
+                             f"(1 disables it), got {r!r}")
+        c = self.presence_penalty
+        if not _is_real(c) or not math.isfinite(c):
+            raise ValueError(f"SamplingParams.presence_penalty must be a finite number (0 disables it), "
+                             f"got {c!r}")
+        return self
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# --------------------------------------------------------------------------------------------
+# Target distribution
+# --------------------------------------------------------------------------------------------
+
+def target_probs(logits: torch.Tensor, histories: Sequence[Sequence[int]],
+                 params: SamplingParams) -> torch.Tensor:
+    """Distribution ComfyUI samples from. logits ``[N,V]`` float -> probs ``[N,V]`` float32.
+
+    Row ``i`` is penalised with the distinct tokens of ``histories[i]`` (a sequence of ints or a
+    1-D integer tensor, values in ``[0, V)``). ``histories`` may instead be a bool ``[N,V]`` mask of
+    the tokens seen so far, which a decode loop can update in place per token instead of passing
+    ever longer lists. The filters run in the logits' dtype, as ComfyUI's do; pass float32 logits
+    for float32 semantics. For greedy params the result is a one-hot of the argmax of the raw
+    logits (no penalties: ComfyUI's greedy path ignores them). ``logits`` is never modified.
+    """
+    params.validate()
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"target_probs: logits must be a 2-D tensor [N, V], got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"target_probs: logits must be a floating tensor (float32 preferred), got {logits.dtype}")
+    n, v = logits.shape
+    if n == 0 or v == 0:
+        raise ValueError(f"target_probs: logits must have at least one row and one column, got {(n, v)}")
+    if len(histories) != n:
+        raise ValueError(f"target_probs: need one token history per logits row, got {len(histories)} "
+                         f"histories for {n} rows (pass [] for a row without history)")
+
+    if params.greedy:
+        out = torch.zeros(n, v, dtype=torch.float32, device=logits.device)
+        return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+    x = logits
+    penalised = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+    if penalised:
+        mask = _history_mask(histories, n, v, logits.device)
+        if mask is not None:
+            x = torch.where(mask, _penalise(x, params), x)
+    if params.temperature != 1.0:
+        x = x / params.temperature
+
+    if params.top_k > 0:
+        values, indices = torch.topk(x, min(params.top_k, v))
+        probs_k = _filtered_softmax(values, params)
+        out = torch.zeros(n, v, dtype=torch.float32, device=logits.device)
+        return out.scatter_(1, indices, probs_k.float())
+    return _filtered_softmax(x, params).float()
+
+
+def _penalise(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Penalised copy of every logit (the caller keeps it only where the token was seen)."""
+    r = params.repetition_penalty
+    if r != 1.0:
+        x = torch.where(x < 0, x * r, x / r)
+    if params.presence_penalty != 0.0:
+        x = x - params.presence_penalty
+    return x
+
+
+def _history_mask(histories, n: int, v: int, device: torch.device) -> torch.Tensor | None:
+    """Bool ``[N,V]``: token seen in the row's history, or None when every history is empty."""
+    if isinstance(histories, torch.Tensor) and histories.dtype == torch.bool:
+        if tuple(histories.shape) != (n, v):
+            raise ValueError(f"target_probs: a seen-token mask must be bool [N, V] = {[n, v]}, "
+                             f"got {list(histories.shape)}")
+        return histories.to(device)
+    rows, cols = [], []
+    for i, hist in enumerate(histories):
+        ids = _token_ids(hist, i)
+        if ids.numel() == 0:
+            continue
+        ids = ids.to(device=device, dtype=torch.long)
+        cols.append(ids)
+        rows.append(torch.full_like(ids, i))
+    if not cols:
+        return None
+    cols_t = torch.cat(cols)
+    bad = (cols_t < 0) | (cols_t >= v)
+    if bool(bad.any()):  # one check for all rows (a single sync when the ids live on the GPU)
+        where = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target_probs: histories[{int(torch.cat(rows)[where])}] has token id "
+                         f"{int(cols_t[where])} outside the vocabulary [0, {v}); pass ids of the model "
+                         f"that made the logits")
+    mask = torch.zeros(n, v, dtype=torch.bool, device=device)
+    mask[torch.cat(rows), cols_t] = True
+    return mask
+
+
+def _token_ids(hist, i: int) -> torch.Tensor:
+    """One history as a 1-D integer tensor (lists go through ``array``: far faster than torch)."""
+    if isinstance(hist, torch.Tensor):
+        ids = hist.reshape(-1)
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"target_probs: histories[{i}] must hold integer token ids, got {ids.dtype}")
+        return ids
+    if isinstance(hist, (str, bytes)):
+        raise ValueError(f"target_probs: histories[{i}] must be a sequence of token ids, got {type(hist).__name__}")
+    try:
+        buf = array.array("q", hist)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"target_probs: histories[{i}] must hold integer token ids ({exc})") from None
+    if len(buf) == 0:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def _filtered_softmax(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """min-p then top-p on ``x [N,K]`` (ComfyUI's order and tie rules), then softmax."""
+    floor = torch.finfo(x.dtype).min
+    if params.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < threshold, floor)
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cumulative = torch.cumsum(torch.softmax(sorted_x, dim=-1), dim=-1)
+        drop_sorted = cumulative > params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        x = x.masked_fill(drop, floor)
+    return torch.softmax(x, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling and speculative acceptance
+# --------------------------------------------------------------------------------------------
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row: probs ``[N,V]`` (non-negative, any positive row sum) -> int64 ``[N]``.
+
+    ``generator`` must live on probs' device (None uses torch's default generator).
+    """
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
+        raise ValueError(f"sample: probs must be a 2-D tensor [N, V], got "
+                         f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs)}")
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def acceptance_probability(probs_target: torch.Tensor, draft_token: int,
+                           probs_draft: torch.Tensor | None = None) -> float:
+    """Chance of keeping ``draft_token``: ``p(d)`` for a point-mass draft, else ``min(1, p(d)/q(d))``.
+
+    probs ``[V]``; a draft with ``q(d) == 0`` is accepted iff ``p(d) > 0``.
+    """
+    p_d = float(probs_target[draft_token])
+    if probs_draft is None:
+        return min(1.0, max(0.0, p_d))
+    q_d = float(probs_draft[draft_token])
+    if q_d <= 0.0:
+        return 1.0 if p_d > 0.0 else 0.0
+    return min(1.0, max(0.0, p_d / q_d))
+
+
+def residual_distribution(probs_target: torch.Tensor, draft_token: int,
+                          probs_draft: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Where a rejected draft resamples from: float64 ``[V]`` summing to 1, or None if it is empty.
+
+    Point-mass draft: ``p`` with ``draft_token`` removed. Otherwise: ``max(0, p - q)``. Both are
+    renormalised; None means the residual has no mass (then the draft is the only possible
+    outcome and must be kept).
+    """
+    p = probs_target.to(torch.float64)
+    if probs_draft is None:
+        res = p.clone()
+        res[draft_token] = 0.0
+    else:
+        res = (p - probs_draft.to(torch.float64)).clamp_(min=0.0)
+    total = float(res.sum())
+    if not total > 0.0:
+        return None
+    return res / total
+
+
+def speculative_accept(probs_target: torch.Tensor, draft_token: int, generator: torch.Generator | None,
+                       probs_draft: torch.Tensor | None = None) -> tuple[bool, int | None]:
+    """Accept or replace one draft token so the kept token is distributed exactly as ``probs_target``.
+
+    probs_target ``[V]`` (and probs_draft ``[V]`` if given) float, each summing to 1. Returns
+    ``(True, None)`` when the draft is kept, else ``(False, replacement)`` with
+    ``replacement != draft_token``. With ``probs_draft`` None the draft is treated as a point mass
+    (a greedy or deterministic drafter); otherwise it must have been sampled from ``probs_draft``.
+    """
+    _check_probs_vector("probs_target", probs_target)
+    v = probs_target.shape[0]
+    if probs_draft is not None:
+        _check_probs_vector("probs_draft", probs_draft)
+        if probs_draft.shape != probs_target.shape:
+            raise ValueError(f"speculative_accept: probs_draft {tuple(probs_draft.shape)} must match "
+                             f"probs_target {tuple(probs_target.shape)}")
+    draft_token = int(draft_token)
+    if not 0 <= draft_token < v:
+        raise ValueError(f"speculative_accept: draft_token {draft_token} is outside the vocabulary [0, {v})")
+
+    accept_p = acceptance_probability(probs_target, draft_token, probs_draft)
+    device = generator.device if generator is not None else probs_target.device
+    u = float(torch.rand((), generator=generator, device=device, dtype=torch.float64))
+    if u < accept_p:
+        return True, None
+    residual = residual_distribution(probs_target, draft_token, probs_draft)
+    if residual is None:
+        # Only reachable through rounding (p(d) just below 1, or p == q): d is the only outcome.
+        log.debug("speculative_accept: empty residual after rejecting token %d; keeping it", draft_token)
+        return True, None
+    # The residual is 0 at a rejected draft (p(d) < q(d), or d removed), so replacement != d.
+    replacement = int(torch.multinomial(residual.to(device), 1, generator=generator))
+    return False, replacement
+
+
+def _check_probs_vector(name: str, probs) -> None:
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 1 or probs.shape[0] == 0:
+        raise ValueError(f"speculative_accept: {name} must be a non-empty 1-D tensor [V], got "
+                         f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs)}")
+    if not probs.dtype.is_floating_point:
+        raise ValueError(f"speculative_accept: {name} must be a floating tensor, got {probs.dtype}")
+
+
+def greedy_accept_count(target_argmax: Sequence[int], drafts: Sequence[int]) -> int:
+    """Number of leading ``drafts`` equal to ``target_argmax`` at the same position (ints or 0-d tensors)."""
+    count = 0
+    for want, got in zip(target_argmax, drafts):
+        if int(want) != int(got):
+            break
+        count += 1
+    return count
