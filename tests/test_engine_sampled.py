@@ -1,9 +1,10 @@
 """Sampled MTP keeps ComfyUI's target distribution: empirical token frequencies vs exact probabilities.
 
-The exact distribution of the 2nd and 3rd generated tokens is computed by enumeration with the
-float64 reference model and a literal restatement of ComfyUI's sampler (penalties included, so
-the accepted drafts must enter the history of later positions). Each chi-square test fails
-falsely with probability below 1e-7 (four tests: below 1e-6 in all).
+The exact distribution of the 2nd token and the joint one of the 2nd and 3rd are enumerated with
+the float64 reference model and a literal restatement of ComfyUI's sampler. The penalties make
+the 3rd token depend on the 2nd, so an accepted draft missing from a later position's history
+shows in the joint test. Each chi-square test fails falsely with probability below 1e-7 (six
+tests: below 1e-6 in all).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.oracles.reference import Reference
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny
 
 P_FAIL = 1e-7
-PARAMS = dict(temperature=0.9, top_k=6, top_p=0.95, min_p=0.02, repetition_penalty=1.3, presence_penalty=0.7)
+PARAMS = dict(temperature=0.9, top_k=6, top_p=0.95, min_p=0.02, repetition_penalty=1.3, presence_penalty=1.5)
 RUNS = 400
 
 
@@ -36,46 +37,50 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
                                          torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
-def exact_marginals(ref: Reference, prompt: torch.Tensor, vocab: int):
-    """Exact distributions of tokens 2 and 3 under ComfyUI's sampler (float64)."""
+def exact_distributions(ref: Reference, prompt: torch.Tensor, vocab: int):
+    """Exact distribution of token 2, and joint distribution of tokens (2, 3) flattened to
+    ``[V*V]``, under ComfyUI's sampler (float64)."""
     def dist(seq, history):
         return comfy_distribution(ref.forward(seq)["logits"][-1], history, **PARAMS)
 
     seq0 = prompt.double()
     p1 = dist(seq0, [])
     p2 = torch.zeros(vocab, dtype=torch.float64)
-    p3 = torch.zeros(vocab, dtype=torch.float64)
+    p23 = torch.zeros(vocab, vocab, dtype=torch.float64)
     for t1 in p1.nonzero().flatten().tolist():
         seq1 = torch.cat([seq0, ref.embed([t1])])
         c2 = dist(seq1, [t1])
         p2 += p1[t1] * c2
         for t2 in c2.nonzero().flatten().tolist():
-            p3 += p1[t1] * c2[t2] * dist(torch.cat([seq1, ref.embed([t2])]), [t1, t2])
-    return p2, p3
+            p23[t2] += p1[t1] * c2[t2] * dist(torch.cat([seq1, ref.embed([t2])]), [t1, t2])
+    return p2, p23.flatten()
 
 
 @pytest.mark.parametrize("mtp,draft", [("off", "argmax"), (2, "argmax"), (2, "sample")])
 def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft):
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
     sd, d = make_tiny(seed, strength=0.2, vocab_size=32)
+    # a pull towards repeating the current token, which the penalties must push back against
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 0.15 * sd["embed_tokens.weight"]
     sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
     model = engine_model(sd, tmp_path)
     ref = Reference(sd, d)
     prompt = torch.randn(4, d["hidden_size"], generator=rng)
-    p2, p3 = exact_marginals(ref, prompt, d["vocab_size"])
-    c2 = torch.zeros(d["vocab_size"], dtype=torch.float64)
-    c3 = torch.zeros(d["vocab_size"], dtype=torch.float64)
+    v = d["vocab_size"]
+    p2, p23 = exact_distributions(ref, prompt, v)
+    c2 = torch.zeros(v, dtype=torch.float64)
+    c23 = torch.zeros(v * v, dtype=torch.float64)
     accepted = drafted = 0
     for run in range(RUNS):
         res = generate(model, prompt, do_sample=True, seed=run, max_length=4, mtp=mtp, mtp_draft=draft,
                        stop_tokens=[], **PARAMS)
         c2[res.tokens[1]] += 1
-        c3[res.tokens[2]] += 1
+        c23[res.tokens[1] * v + res.tokens[2]] += 1
         accepted += res.stats.accepted
         drafted += res.stats.drafted
     if mtp != "off":
         assert 0 < accepted < drafted, (accepted, drafted)  # both branches of the acceptance rule ran
-    for counts, probs in ((c2, p2), (c3, p3)):
+    for counts, probs in ((c2, p2), (c23, p23)):
         assert float(counts[probs == 0].sum()) == 0, "drew a token the target distribution forbids"
         p = chi2_pvalue(counts, probs)
         assert p > P_FAIL, f"chi-square p={p:.3g}: counts {counts.tolist()} vs probs {probs.tolist()}"
