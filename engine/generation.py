@@ -149,7 +149,7 @@ class _Decoder:
     """State of one generate() call (kept off the model, so an interrupt leaves nothing behind)."""
 
     def __init__(self, binding: Qwen35Binding, params: SamplingParams, *, seed: int, stop_tokens, min_tokens: int,
-                 initial_tokens, device, mtp_draft: str):
+                 initial_tokens, device, mtp_draft: str, room: int):
         self.b = binding
         self.params = params
         self.greedy = params.greedy
@@ -157,9 +157,34 @@ class _Decoder:
         self.stops = {int(t) for t in stop_tokens}
         self.stop_ids = torch.tensor(sorted(self.stops), dtype=torch.int64, device=device)
         self.min_tokens = min_tokens
-        self.history = [int(t) for t in initial_tokens]
         self.generated: list[int] = []
         self.mtp_draft = mtp_draft
+        self.device = device
+        # Token history for the penalties, kept on the device so that long answers do not rebuild it
+        # from a Python list at every position: initial tokens, generated tokens, then scratch rows.
+        initial = [int(t) for t in initial_tokens]
+        self.penalised = not self.greedy and (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0)
+        self.hist = torch.zeros(len(initial) + room, dtype=torch.int64, device=device)
+        self.count = 0
+        self._write(initial)
+        self.count = len(initial)
+
+    def _write(self, tokens: Sequence[int]) -> None:
+        if tokens:
+            self.hist[self.count:self.count + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Append generated tokens."""
+        self._write(tokens)
+        self.count += len(tokens)
+        self.generated.extend(tokens)
+
+    def histories(self, drafts: Sequence[int], rows: int) -> list:
+        """Penalty histories of ``rows`` consecutive positions: row i has the history plus ``drafts[:i]``."""
+        if not self.penalised:
+            return [()] * rows
+        self._write(drafts)
+        return [self.hist[:self.count + i] for i in range(rows)]
 
     def mask(self, logits: torch.Tensor, first_count: int) -> torch.Tensor:
         """Forbid stop tokens on rows whose position is before ``min_tokens``. logits ``[N,V]``."""
@@ -170,11 +195,11 @@ class _Decoder:
             logits[:blocked, self.stop_ids] = float("-inf")
         return logits
 
-    def draw(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        """One token from one row of logits ``[1,V]`` (float32)."""
+    def draw(self, logits: torch.Tensor) -> int:
+        """The next token from one row of logits ``[1,V]`` (float32) after the current history."""
         if self.greedy:
             return int(logits[0].argmax())
-        probs = target_probs(logits, [history], self.params)
+        probs = target_probs(logits, self.histories((), 1), self.params)
         return int(sample(probs, self.generator)[0])
 
 
@@ -226,9 +251,10 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
                        fill=cache_fill)
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention)
     dec = _Decoder(binding, params, seed=seed, stop_tokens=stop_tokens, min_tokens=min_tokens,
-                   initial_tokens=initial_tokens, device=device, mtp_draft=mtp_draft)
+                   initial_tokens=initial_tokens, device=device, mtp_draft=mtp_draft, room=max_length + depth + 1)
     stats = GenerationStats(mtp_depth=depth, attention_backend=_backend_name(attention, cfg, dtype, device))
-    return _run(binding, runner, dec, stats, embeds.to(dtype), positions, max_length, depth, callback)
+    with torch.no_grad():
+        return _run(binding, runner, dec, stats, embeds.to(dtype), positions, max_length, depth, callback)
 
 
 def _backend_name(attention: str, cfg, dtype, device) -> str:
@@ -247,8 +273,8 @@ def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds,
     hidden, pre = runner.forward(embeds, positions.rows(0, prompt_len), keep_rows=False)
     cache.commit()
     logits = dec.mask(binding.logits(hidden[:, -1:])[0], 0)
-    token = dec.draw(logits, dec.history)
-    dec.generated.append(token)
+    token = dec.draw(logits)
+    dec.accept([token])
     stats.prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
 
@@ -281,7 +307,7 @@ def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds,
             cache.commit()
             stats.steps += 1
             logits = dec.mask(binding.logits(hidden)[0], len(dec.generated))
-            new = [dec.draw(logits, dec.history + dec.generated)]
+            new = [dec.draw(logits)]
         else:
             drafts, qs = _draft(binding, runner, dec, positions, pend_hidden, pend_emb, mtp_start, length, k)
             stats.drafted += k
@@ -300,7 +326,7 @@ def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds,
         stop_at = next((i for i, t in enumerate(new) if t in dec.stops), None)
         if stop_at is not None:
             new = new[:stop_at + 1]
-        dec.generated.extend(new)
+        dec.accept(new)
         report(new)
         if stop_at is not None:
             return GenerationResult(list(dec.generated), stats, "stop_token")
@@ -332,7 +358,7 @@ def _draft(binding, runner: Runner, dec: _Decoder, positions: _Positions, pend_h
             drafts.append(int(logits[0].argmax()))
             qs.append(None)
             continue
-        q = target_probs(logits, [dec.history + dec.generated + drafts], dec.params)
+        q = target_probs(logits, dec.histories(drafts, len(drafts) + 1)[-1:], dec.params)
         if dec.mtp_draft == "sample":
             drafts.append(int(sample(q, dec.generator)[0]))
             qs.append(q[0])
@@ -352,8 +378,7 @@ def _accept(dec: _Decoder, logits: torch.Tensor, drafts: list[int], qs) -> tuple
         while accepted < k and target[accepted] == drafts[accepted]:
             accepted += 1
         return drafts[:accepted] + [target[accepted]], accepted
-    base = dec.history + dec.generated
-    probs = target_probs(logits, [base + drafts[:i] for i in range(k + 1)], dec.params)
+    probs = target_probs(logits, dec.histories(drafts, k + 1), dec.params)
     new: list[int] = []
     for i in range(k):
         ok, replacement = speculative_accept(probs[i], drafts[i], dec.generator, qs[i])

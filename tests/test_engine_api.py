@@ -73,6 +73,17 @@ def test_stop_tokens_and_min_tokens(model, rng):
     assert bind(m).config.stop_tokens == ()
 
 
+def test_initial_tokens_feed_the_penalties(model, rng):
+    m, d = model
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    top = generate(m, prompt, do_sample=False, max_length=1, mtp="off").tokens[0]
+    # top_k=1 samples the argmax of the penalised logits: deterministic
+    kw = dict(do_sample=True, top_k=1, max_length=1, mtp="off", presence_penalty=100.0)
+    assert generate(m, prompt, **kw).tokens == [top]
+    assert generate(m, prompt, initial_tokens=[top], **kw).tokens != [top]
+    assert generate(m, prompt, initial_tokens=[(top + 1) % d["vocab_size"]], **kw).tokens == [top]
+
+
 def test_bfloat16_execution(model, rng):
     m, d = model
     prompt = torch.randn(5, d["hidden_size"], generator=rng)
