@@ -11,6 +11,15 @@ Without MTP every step feeds the last token and samples the next one. With MTP (
    of each position (histories include the accepted drafts), plus a correction or bonus token;
 4. commits 1 + accepted rows in every layer (K/V lengths, DeltaNet state snapshots) and rolls the
    MTP cache back to the last row computed from a true hidden state.
+
+MTP conventions (vLLM's ``qwen3_5_mtp.py``, SGLang): head row t pairs the model's final hidden
+state h_t (after the model's final norm) with the embedding of token t+1, concatenated as
+``[embedding, hidden]`` before ``fc``, at position t; after the head's own norm, the shared
+``lm_head`` gives logits for token t+2, and deeper drafts feed that normed output back as the
+hidden state. ComfyUI's experimental MTP branch feeds the pre-norm hidden state instead:
+``binding.mtp_hidden = "prenorm"`` selects that. The MTP cache only keeps rows computed from true
+hidden states; rows of drafts at depth >= 2 are dropped after each verify and recomputed from the
+verified hidden states at the next step.
 """
 
 from __future__ import annotations

@@ -166,11 +166,17 @@ class Qwen35TextModel(nn.Module):
 
 class Qwen35ForGeneration(nn.Module):
     """Root of the standalone tree (ComfyUI's ``Qwen35`` BaseGenerate instance): ``.model`` is the
-    decoder; ``.mtp`` is a shortcut to ``.model.mtp``."""
+    decoder; ``.mtp`` reads and sets ``.model.mtp`` (where ``bind`` looks for the head)."""
 
     def __init__(self, model: Qwen35TextModel):
         super().__init__()
         self.model = model
+
+    def __setattr__(self, name, value):
+        if name == "mtp":
+            self.model.mtp = value
+        else:
+            super().__setattr__(name, value)
 
     @property
     def config(self) -> Qwen35Config:

@@ -75,6 +75,8 @@ def test_grafted_mtp_head(tmp_path, tiny, rng):
     # grafting in memory onto a loaded model, the way the ComfyUI loader attaches it
     plain.model.mtp = build_mtp_head(_mtp(sd), plain.config)
     assert generate(plain, prompt, do_sample=False, max_length=16, mtp=3).tokens == a.tokens
+    plain.mtp = None  # the root's .mtp is the decoder's
+    assert plain.model.mtp is None and generate(plain, prompt, max_length=2, mtp="auto").stats.mtp_depth == 0
     with pytest.raises(Qwen35Error, match="no 'mtp"):
         load_standalone(main, mtp_path=main)
 
