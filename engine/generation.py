@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import resolve_backend
-from ..kernels.api import BACKENDS
+from ..kernels.api import BACKENDS, triton_reason
+from ..kernels.kitchen import kitchen_reason
 from ..patches.cache import ModelCache
 from .binding import Qwen35Binding, bind
 from .errors import Qwen35Error
@@ -253,6 +254,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     prompt_len = embeds.shape[1]
     positions = _Positions(normalize_positions(position_ids, prompt_len, device))
 
+    backend = _backend_name(attention, cfg, dtype, device)
     if attention == "masked" and cache_fill is None:
         cache_fill = 0.0  # the capacity-bound baseline reads every slot: they must hold numbers
     capacity = prompt_len + max_length + depth + 1
@@ -261,16 +263,25 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention)
     dec = _Decoder(binding, params, seed=seed, stop_tokens=stop_tokens, min_tokens=min_tokens,
                    initial_tokens=initial_tokens, device=device, mtp_draft=mtp_draft, room=max_length + depth + 1)
-    stats = GenerationStats(mtp_depth=depth, attention_backend=_backend_name(attention, cfg, dtype, device))
+    stats = GenerationStats(mtp_depth=depth, attention_backend=backend)
     with torch.no_grad():
         return _run(binding, runner, dec, stats, embeds.to(dtype), positions, max_length, depth, callback)
 
 
 def _backend_name(attention: str, cfg, dtype, device) -> str:
-    if attention != "auto":
-        return attention
+    """The decode-attention backend that will run; Qwen35Error up front if the chosen one cannot."""
     q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
-    return resolve_backend(q, cfg.head_dim ** -0.5)
+    scale = cfg.head_dim ** -0.5
+    if attention == "auto":
+        return resolve_backend(q, scale)
+    why = None
+    if attention == "triton":
+        why = triton_reason(q)
+    elif attention == "kitchen":
+        why = kitchen_reason(q, scale)
+    if why is not None:
+        raise Qwen35Error(f"attention={attention!r} cannot run here: {why}; use attention='auto'")
+    return attention
 
 
 def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds, positions: _Positions,

@@ -141,6 +141,7 @@ def test_bad_requests(model):
         (dict(max_length=0), "max_length"),
         (dict(min_tokens=-1), "min_tokens"),
         (dict(attention="flash"), "attention must be one of"),
+        (dict(attention="kitchen"), "cannot run here"),
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(mtp_draft="beam"), "mtp_draft"),

@@ -77,3 +77,18 @@ def test_poison_reaches_a_capacity_bound_read(model, rng):
     except RuntimeError:
         return
     assert bad.tokens != clean.tokens
+
+
+def test_triton_backend_in_the_engine(model, rng):
+    """The Triton kernel (interpreted on CPU) inside the engine: same tokens, poison never read."""
+    from qwen35_fast.kernels.api import triton_reason
+
+    m, d = model
+    why = triton_reason(torch.empty(1, 2, 1, 64))
+    if why is not None:
+        pytest.skip(why)
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    want = generate(m, prompt, do_sample=False, max_length=8, mtp=3, attention="torch", stop_tokens=[])
+    got = generate(m, prompt, do_sample=False, max_length=8, mtp=3, attention="triton", stop_tokens=[],
+                   cache_fill=math.nan)
+    assert got.tokens == want.tokens and got.stats.attention_backend == "triton"
