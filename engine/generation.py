@@ -38,6 +38,7 @@ from ..patches.cache import ModelCache
 from .binding import Qwen35Binding, bind
 from .errors import Qwen35Error
 from .forward import Runner
+from .graphs import GraphRunner, graph_blocker
 from .rope import normalize_positions
 from .sampling import SamplingParams, sample, speculative_accept, target_probs
 
@@ -220,7 +221,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
              mtp="auto", position_ids: torch.Tensor | None = None, attention: str = "auto",
              execution_dtype: torch.dtype | None = None,
              callback: Callable[[list[int], list[int], GenerationStats], None] | None = None,
-             mtp_draft: str = "argmax", cache_fill: float | None = None) -> GenerationResult:
+             mtp_draft: str | Callable[[int], int] = "argmax", cache_fill: float | None = None,
+             cuda_graphs: bool | str = "auto") -> GenerationResult:
     """Generate up to ``max_length`` tokens after a prompt given as embeddings.
 
     embeds ``[T,H]`` or ``[1,T,H]`` float (batch 1), on the device to run on. ``position_ids``:
@@ -229,8 +231,12 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     ``initial_tokens`` only feed the penalties; ``min_tokens`` forbids stop tokens before that many
     tokens. ``mtp``: "off", "auto" (depth 3 with an MTP head, else off) or a depth 1..5.
     ``mtp_draft``: "argmax" (point-mass drafts, default) or "sample" (drafts drawn from the head's
-    filtered distribution; acceptance min(1, p/q)). ``attention``: a ``kernels.decode_attention``
-    backend. ``callback(all_tokens, new_tokens, stats)`` runs after every accepted step; if it
+    filtered distribution; acceptance min(1, p/q)); benchmarks may pass ``fn(position) -> token``,
+    whose token replaces each draft after the head ran (forced acceptance when it knows the answer).
+    ``attention``: a ``kernels.decode_attention`` backend. ``cuda_graphs``: "auto" (replay CUDA
+    graphs for decode, draft and verify steps when the device, backend and weight placement allow;
+    otherwise eager, with the reason logged once), True (require them) or False.
+    ``callback(all_tokens, new_tokens, stats)`` runs after every accepted step; if it
     raises, generation stops and the exception propagates (the model is untouched and reusable).
     ``cache_fill`` pre-fills every K/V slot (tests: NaN shows unfilled slots are never read).
     Returns ``GenerationResult(tokens, stats, stop_reason)``.
@@ -238,8 +244,10 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     binding = bind(module_or_binding)
     cfg = binding.config
     embeds = _check_request(embeds, max_length, min_tokens, attention, cfg.hidden_size)
-    if mtp_draft not in ("argmax", "sample"):
+    if not callable(mtp_draft) and mtp_draft not in ("argmax", "sample"):
         raise Qwen35Error(f"mtp_draft must be 'argmax' or 'sample', got {mtp_draft!r}")
+    if cuda_graphs not in ("auto", True, False):
+        raise Qwen35Error(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
     params = SamplingParams(do_sample=bool(do_sample), temperature=float(temperature), top_k=int(top_k),
                             top_p=float(top_p), min_p=float(min_p), repetition_penalty=float(repetition_penalty),
                             presence_penalty=float(presence_penalty or 0.0))
@@ -261,11 +269,28 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     cache = ModelCache(cfg, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=depth > 0,
                        fill=cache_fill)
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention)
+    if cuda_graphs:
+        blocker = graph_blocker(binding, torch.device(device), dtype, attention)
+        if blocker is None:
+            runner = GraphRunner(runner)
+        elif cuda_graphs is True:
+            raise Qwen35Error(f"cuda_graphs=True but {blocker}; use cuda_graphs='auto' or False")
+        elif torch.device(device).type == "cuda":
+            _say_once(f"Qwen3.5 decode runs without CUDA graphs: {blocker}")
     dec = _Decoder(binding, params, seed=seed, stop_tokens=stop_tokens, min_tokens=min_tokens,
                    initial_tokens=initial_tokens, device=device, mtp_draft=mtp_draft, room=max_length + depth + 1)
     stats = GenerationStats(mtp_depth=depth, attention_backend=backend)
     with torch.no_grad():
         return _run(binding, runner, dec, stats, embeds.to(dtype), positions, max_length, depth, callback)
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _SAID:
+        _SAID.add(msg)
+        log.warning(msg)
 
 
 def _backend_name(attention: str, cfg, dtype, device) -> str:
@@ -374,6 +399,10 @@ def _draft(binding, runner: Runner, dec: _Decoder, positions: _Positions, pend_h
             last = runner.mtp_forward(last, emb, positions.rows(length - 1 + j, 1))
             mcache.commit()
         logits = dec.mask(binding.logits(last)[0], len(dec.generated) + j)
+        if callable(dec.mtp_draft):  # benchmark hook: the head ran, its draft is replaced
+            drafts.append(int(dec.mtp_draft(len(dec.generated) + j)))
+            qs.append(None)
+            continue
         if dec.greedy:
             drafts.append(int(logits[0].argmax()))
             qs.append(None)

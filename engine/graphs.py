@@ -1,0 +1,165 @@
+"""CUDA graphs for the decode step, the MTP draft step and the 1+depth verify step.
+
+``GraphRunner`` wraps a ``forward.Runner`` and replays one captured graph per (kind, rows): the
+cache length lives on the device, so one graph serves every position; the host bookkeeping the
+eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
+replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
+the graph lives: when ComfyUI offloads or casts weights per call, or the attention backend is not
+graph-safe, ``graph_blocker`` names the reason and generation runs eagerly (said once).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..kernels import GRAPH_SAFE, resolve_backend
+from ..kernels.api import MAX_ROWS
+from ..patches.cache import DeltaNetState, KVCache
+from .errors import Qwen35Error
+
+log = logging.getLogger(__name__)
+_SAID: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _SAID:
+        _SAID.add(msg)
+        log.warning(msg)
+
+
+def _modules(binding):
+    yield binding.transformer
+    if binding.mtp is not None:
+        yield binding.mtp
+
+
+def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: str) -> str | None:
+    """None when decode steps can be captured, else the reason (one line)."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (running on {device.type})"
+    cfg = binding.config
+    if attention == "auto":
+        q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
+        attention = resolve_backend(q, cfg.head_dim ** -0.5)
+    if attention not in GRAPH_SAFE:
+        return f"the '{attention}' attention backend syncs with the host"
+    for root in _modules(binding):
+        for name, mod in root.named_modules():
+            if getattr(mod, "comfy_cast_weights", False):
+                return (f"ComfyUI casts or offloads weights per call ({name or 'model'}); load the model "
+                        "fully on the GPU for graphs")
+        for name, p in list(root.named_parameters()) + list(root.named_buffers()):
+            if p.device != device:
+                return f"weight {name} lives on {p.device}, not {device} (partially loaded model)"
+    return None
+
+
+class _Graph:
+    """One captured forward with static inputs/outputs and the host state it leaves behind."""
+
+    def __init__(self, graph, inputs, outputs, staged):
+        self.graph, self.inputs, self.outputs, self.staged = graph, inputs, outputs, staged
+
+
+class GraphRunner:
+    """Drop-in for ``Runner`` whose ``forward`` (S <= 8 rows) and ``mtp_forward`` replay CUDA graphs."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.cache = runner.cache
+        self.device = runner.device
+        self.dtype = runner.dtype
+        self.b = runner.b
+        # One private memory pool per graph: a replay never overwrites another graph's outputs.
+        self._graphs: dict[tuple[str, int], _Graph] = {}
+
+    # ------------------------------------------------------------------ public (Runner API)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, *, keep_rows: bool = True):
+        """Same contract as ``Runner.forward``; graphs for 1..8 rows, eager for longer inputs."""
+        if x.shape[1] > MAX_ROWS or not keep_rows:
+            return self.runner.forward(x, pos, keep_rows=keep_rows)
+        return self._run("main", x, pos)
+
+    def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Same contract as ``Runner.mtp_forward``; graphs for 1..8 rows."""
+        if hidden.shape[1] > MAX_ROWS:
+            return self.runner.mtp_forward(hidden, emb, pos)
+        return self._run("mtp", hidden, pos, emb)[0]
+
+    # ------------------------------------------------------------------ internals
+    def _states(self, kind: str):
+        return [self.cache.mtp] if kind == "mtp" else self.cache.layers
+
+    def _check_room(self, kind: str, rows: int) -> None:
+        for st in self._states(kind):
+            if st.staged:
+                raise Qwen35Error("graph step: staged rows not committed; call commit(n) first")
+            if isinstance(st, KVCache) and st.host_length + rows > st.capacity:
+                raise Qwen35Error(f"KV cache overflow: {st.host_length} filled + {rows} new rows > capacity "
+                                  f"{st.capacity}; allocate the cache for prompt + max_length (+ MTP depth + 1)")
+
+    def _eager(self, kind: str, inputs):
+        if kind == "mtp":
+            return (self.runner.mtp_forward(inputs[0], inputs[2], inputs[1]),)
+        return self.runner.forward(inputs[0], inputs[1])
+
+    def _snapshot_staged(self, kind: str):
+        out = []
+        for st in self._states(kind):
+            if isinstance(st, DeltaNetState):
+                out.append((st._states, st._window, st._rows))
+            else:
+                out.append(st.staged)
+        return out
+
+    def _unstage(self, kind: str) -> None:
+        """Undo a warm-up/capture forward: drop staged rows without touching committed state."""
+        for st in self._states(kind):
+            if isinstance(st, DeltaNetState):
+                st._states, st._window, st._rows = None, None, 0
+            elif st.staged:
+                st.length.sub_(st.staged)
+                st.staged = 0
+
+    def _restage(self, kind: str, staged) -> None:
+        for st, saved in zip(self._states(kind), staged):
+            if isinstance(st, DeltaNetState):
+                st._states, st._window, st._rows = saved
+            else:
+                st.staged = saved
+
+    def _capture(self, kind: str, inputs) -> _Graph:
+        static = [t.clone() for t in inputs]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._eager(kind, static)  # compiles kernels, allocates lazily built constants
+            self._unstage(kind)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                outputs = self._eager(kind, static)
+        except Exception:
+            self._unstage(kind)
+            raise
+        staged = self._snapshot_staged(kind)
+        self._unstage(kind)
+        return _Graph(graph, static, outputs, staged)
+
+    def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, emb: torch.Tensor | None = None):
+        rows = x.shape[1]
+        self._check_room(kind, rows)
+        inputs = (x, pos) if emb is None else (x, pos, emb)
+        key = (kind, rows)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture(kind, inputs)
+            log.info("captured the %s %d-row step as a CUDA graph", kind, rows)
+        for dst, src in zip(g.inputs, inputs):
+            dst.copy_(src)
+        g.graph.replay()
+        self._restage(kind, g.staged)
+        return g.outputs
