@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -115,6 +116,48 @@ def run_one(model, prompt, *, max_length, tokens, attention, mtp, drafts=None):
     return seen["tokens"][:tokens], seen["stats"], peak
 
 
+def soak(model, cfg, device, dtype, n: int) -> dict:
+    """n generations with varied max_length, MTP on/off, ~20% interrupted: VRAM after each one and
+    whether repeated (seed, MTP) requests gave identical tokens (they must, whatever max_length)."""
+    rng = random.Random(0)
+    seen: dict[tuple, list[int]] = {}
+    mem, mismatches, interrupted = [], 0, 0
+    for i in range(n):
+        seed, mtp = rng.randrange(6), rng.choice(["off", 3])
+        max_length = rng.choice([48, 1000, 16256, 24000, 65536])
+        stop_at = rng.randrange(3, 30) if rng.random() < 0.2 else 32
+        g = torch.Generator(device=device).manual_seed(seed)
+        ids = torch.randint(0, cfg.vocab_size, (1, 40 + 13 * seed), generator=g, device=device)
+        prompt = model.model.embed_tokens(ids).to(dtype)
+        got = {}
+
+        def cb(all_tokens, new, stats, got=got, stop_at=stop_at):
+            got["tokens"] = list(all_tokens)
+            if len(all_tokens) >= stop_at:
+                raise _Enough
+
+        try:
+            generate(model, prompt, do_sample=True, temperature=1.0, top_k=20, top_p=0.95, presence_penalty=1.5,
+                     seed=seed, max_length=max_length, stop_tokens=[], mtp=mtp, callback=cb)
+        except _Enough:
+            pass
+        if stop_at < 32:
+            interrupted += 1
+        else:
+            key = (seed, mtp)
+            toks = got["tokens"][:32]
+            if key in seen and seen[key] != toks:
+                mismatches += 1
+            seen.setdefault(key, toks)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            mem.append(torch.cuda.memory_allocated())
+    base = mem[9] if len(mem) > 10 else (mem[0] if mem else 0)
+    growth = (max(mem[10:]) - base) / base if len(mem) > 10 and base else 0.0
+    return {"generations": n, "interrupted": interrupted, "repeat_mismatches": mismatches,
+            "distinct_requests": len(seen), "vram_base_gb": base / 2**30, "vram_growth": growth}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", nargs="+", default=["triton", "kitchen", "masked"])
@@ -124,6 +167,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--json", default="decode_e2e.json")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
+    ap.add_argument("--soak", type=int, default=0, help="then run this many soak generations")
     args = ap.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -168,6 +212,10 @@ def main() -> None:
                 print(f"{attention:>9} {max_length:>7} {mode:>7} {st.tok_per_s:>7.1f} {ms:>7.2f} "
                       f"{100 * st.acceptance_rate:>5.0f}% {peak:>6.1f} {100 * floor_ms / ms:>5.0f}%"
                       + ("" if row["same_tokens_as_off"] else "  TOKENS DIFFER FROM MTP OFF"), flush=True)
+                Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.soak:
+        out["soak"] = soak(model, cfg, device, dtype, args.soak)
+        print("soak:", out["soak"])
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"# wrote {args.json}")
 

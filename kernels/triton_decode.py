@@ -24,6 +24,10 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
+try:  # programmatic dependent launch (Hopper+): the merge kernel launches while the split pass runs
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,10 @@ def _split_kernel(
     cap, hkv, n_mb, scale_log2,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()  # the merge kernel may start; it waits for this grid before reading
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % n_mb
@@ -107,8 +114,10 @@ def _combine_kernel(
     OP, LSEP, OUT,
     so_b, so_h, so_s, hkv,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # the whole split grid has finished and its writes are visible
     pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
     d0 = tl.program_id(1) * BLOCK_D
     s = pid % S
@@ -153,6 +162,14 @@ def default_splits(q: torch.Tensor, hkv: int, n_mb: int) -> int:
     return max(1, min(128, -(-_device_limits(q.device.index or 0)[0] // programs)))
 
 
+_PDL = {"ok": gdc_wait is not None}  # cleared for good if this Triton rejects launch_pdl
+
+
+def _pdl_usable(q: torch.Tensor) -> bool:
+    return (_PDL["ok"] and q.device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
 _SHRUNK: dict[tuple, int] = {}  # (device, dtype, D, BLOCK_M) -> first _TILES index that compiled
 
 
@@ -193,6 +210,7 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     lse_part = torch.empty(b_sz * hkv * n_split * rows, dtype=torch.float32, device=q.device)
     out = torch.empty(b_sz, hq, s, d, dtype=q.dtype, device=q.device)
     log2e = 1.4426950408889634
+    pdl = _pdl_usable(q)
     while True:
         block_n = cfg.pop("BLOCK_N")
         try:
@@ -203,7 +221,7 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 cap, hkv, n_mb, scale * log2e,
                 S=s, G=g, D=d, N_SPLIT=n_split, BLOCK_M=block_m, BLOCK_N=block_n,
-                CAUSAL=causal, IEEE=q.dtype == torch.float32, **cfg,
+                CAUSAL=causal, IEEE=q.dtype == torch.float32, PDL=pdl, **cfg,
             )
             break
         except OutOfResources as exc:  # the estimate missed: take the next smaller tile, once per shape
@@ -215,10 +233,16 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
             cfg = default_config(d, q.element_size(), block_m, smem, nxt)
     if split_only:
         return o_part, lse_part
-    _combine_kernel[(b_sz * hq * s, d // 64)](
-        o_part, lse_part, out,
-        out.stride(0), out.stride(1), out.stride(2), hkv,
-        S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
-        BLOCK_D=64, num_warps=4,
-    )
+    merge_args = (o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), hkv)
+    merge_meta = dict(S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
+                      BLOCK_D=64, num_warps=4)
+    grid = (b_sz * hq * s, d // 64)
+    if pdl:
+        try:
+            _combine_kernel[grid](*merge_args, PDL=True, launch_pdl=True, **merge_meta)
+            return out
+        except Exception as exc:  # a Triton without launch_pdl: plain launches from now on
+            _PDL["ok"] = False
+            log.info("decode_attention: programmatic dependent launch unavailable (%s)", exc)
+    _combine_kernel[grid](*merge_args, PDL=False, **merge_meta)
     return out

@@ -1,0 +1,83 @@
+"""CUDA-graph decode/draft/verify steps give the same tokens as eager steps (GPU only).
+
+Also the graph gate itself (CPU): a model that is not entirely on the execution device, or a
+backend that syncs with the host, runs eagerly and says why.
+"""
+
+import random
+
+import pytest
+import torch
+from qwen35_fast.engine import bind, generate
+from qwen35_fast.engine.errors import Qwen35Error
+from qwen35_fast.engine.graphs import graph_blocker
+
+from tests.oracles.tiny import add_mtp, engine_model, make_tiny
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _model(tmp_path, seed, device, dtype=torch.float32):
+    sd, d = make_tiny(seed, strength=0.3, vocab_size=64, hidden_size=128, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    sd = add_mtp(sd, d, seed + 1)
+    return engine_model(sd, tmp_path, dtype=dtype, device=device), d
+
+
+def test_graph_gate_on_cpu(tmp_path):
+    model, _ = _model(tmp_path, random.randrange(1000), "cpu")
+    b = bind(model)
+    assert "CUDA device" in graph_blocker(b, torch.device("cpu"), torch.float32, "auto")
+    prompt = torch.randn(5, 128)
+    with pytest.raises(Qwen35Error, match="cuda_graphs=True"):
+        generate(model, prompt, max_length=2, cuda_graphs=True, mtp="off")
+    with pytest.raises(Qwen35Error, match="cuda_graphs"):
+        generate(model, prompt, max_length=2, cuda_graphs="yes")
+
+
+@gpu
+def test_graph_gate_on_gpu(tmp_path):
+    model, _ = _model(tmp_path, random.randrange(1000), "cuda")
+    b = bind(model)
+    dev = torch.device("cuda")
+    assert graph_blocker(b, dev, torch.float32, "auto") is None
+    assert "syncs with the host" in graph_blocker(b, dev, torch.float32, "torch")
+    model.model.layers[0].mlp.to("cpu")  # a partially offloaded model must not be captured
+    assert "lives on cpu" in graph_blocker(b, dev, torch.float32, "auto")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_steps_equal_eager(tmp_path, dtype):
+    seed = random.randrange(1000)
+    model, d = _model(tmp_path, seed, "cuda", dtype)
+    prompt = torch.randn(1, 23, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    prompt = prompt.to(dtype)
+    for mtp in ("off", 1, 3, 5):
+        eager = generate(model, prompt, do_sample=False, max_length=40, stop_tokens=[], mtp=mtp, cuda_graphs=False)
+        graph = generate(model, prompt, do_sample=False, max_length=40, stop_tokens=[], mtp=mtp, cuda_graphs=True)
+        assert graph.tokens == eager.tokens, (mtp, seed)
+        if mtp != "off":
+            assert graph.stats.accepted == eager.stats.accepted
+    off = generate(model, prompt, do_sample=False, max_length=40, stop_tokens=[], mtp="off", cuda_graphs=True)
+    on = generate(model, prompt, do_sample=False, max_length=40, stop_tokens=[], mtp=3, cuda_graphs=True)
+    assert on.tokens == off.tokens and on.stats.accepted > 0
+    kw = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, presence_penalty=1.5, seed=seed,
+              max_length=30, stop_tokens=[], mtp=3)
+    assert (generate(model, prompt, cuda_graphs=True, **kw).tokens
+            == generate(model, prompt, cuda_graphs=False, **kw).tokens)
+
+
+@gpu
+def test_graph_interrupt_then_reuse(tmp_path):
+    model, d = _model(tmp_path, random.randrange(1000), "cuda")
+    prompt = torch.randn(1, 9, d["hidden_size"], device="cuda")
+    first = generate(model, prompt, do_sample=False, max_length=30, stop_tokens=[], mtp=2)
+
+    def stop(all_tokens, new, stats):
+        if len(all_tokens) > 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, prompt, do_sample=False, max_length=30, stop_tokens=[], mtp=2, callback=stop)
+    assert generate(model, prompt, do_sample=False, max_length=30, stop_tokens=[], mtp=2).tokens == first.tokens
