@@ -39,6 +39,7 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     """None when decode steps can be captured, else the reason (one line)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (running on {device.type})"
+    dev = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     cfg = binding.config
     if attention == "auto":
         q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
@@ -51,8 +52,8 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
                 return (f"ComfyUI casts or offloads weights per call ({name or 'model'}); load the model "
                         "fully on the GPU for graphs")
         for name, p in list(root.named_parameters()) + list(root.named_buffers()):
-            if p.device != device:
-                return f"weight {name} lives on {p.device}, not {device} (partially loaded model)"
+            if p.device != dev:
+                return f"weight {name} lives on {p.device}, not {dev} (partially loaded model)"
     return None
 
 
@@ -114,13 +115,15 @@ class GraphRunner:
                 out.append(st.staged)
         return out
 
-    def _unstage(self, kind: str) -> None:
-        """Undo a warm-up/capture forward: drop staged rows without touching committed state."""
+    def _unstage(self, kind: str, ran: bool) -> None:
+        """Drop the rows a warm-up (``ran``: it moved the device lengths) or a capture (recorded
+        only: the device lengths did not move) staged; committed state is untouched."""
         for st in self._states(kind):
             if isinstance(st, DeltaNetState):
                 st._states, st._window, st._rows = None, None, 0
             elif st.staged:
-                st.length.sub_(st.staged)
+                if ran:
+                    st.length.sub_(st.staged)
                 st.staged = 0
 
     def _restage(self, kind: str, staged) -> None:
@@ -136,17 +139,17 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._eager(kind, static)  # compiles kernels, allocates lazily built constants
-            self._unstage(kind)
+            self._unstage(kind, ran=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 outputs = self._eager(kind, static)
         except Exception:
-            self._unstage(kind)
+            self._unstage(kind, ran=False)
             raise
         staged = self._snapshot_staged(kind)
-        self._unstage(kind)
+        self._unstage(kind, ran=False)
         return _Graph(graph, static, outputs, staged)
 
     def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, emb: torch.Tensor | None = None):
