@@ -152,6 +152,9 @@ def soak(model, cfg, device, dtype, n: int) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
             mem.append(torch.cuda.memory_allocated())
+        if (i + 1) % 20 == 0:
+            print(f"soak {i + 1}/{n}: {interrupted} interrupted, {mismatches} mismatches, "
+                  f"{(mem[-1] if mem else 0) / 2**30:.3f} GB allocated", flush=True)
     base = mem[9] if len(mem) > 10 else (mem[0] if mem else 0)
     growth = (max(mem[10:]) - base) / base if len(mem) > 10 and base else 0.0
     return {"generations": n, "interrupted": interrupted, "repeat_mismatches": mismatches,
