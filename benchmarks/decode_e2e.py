@@ -14,7 +14,8 @@ Reports tok/s, ms/token (decode only), peak VRAM, and the weight-read floor: byt
 a decode step reads (all but the embedding table) / measured copy bandwidth.
 
 Usage: python benchmarks/decode_e2e.py [--attention triton kitchen masked] [--max-lengths ...]
-                                        [--tokens 2000] [--json out.json] [--tiny (CPU dry run)]
+                                        [--tokens 2000] [--soak 200] [--json out.json] [--tiny (CPU dry run)]
+       python benchmarks/decode_e2e.py --report runs.json   (README table of saved runs)
 """
 
 from __future__ import annotations
@@ -161,6 +162,19 @@ def soak(model, cfg, device, dtype, n: int) -> dict:
             "distinct_requests": len(seen), "vram_base_gb": base / 2**30, "vram_growth": growth}
 
 
+def markdown(runs: dict) -> str:
+    """README table from a file of saved runs ({tag: run JSON})."""
+    lines = ["| run | attention | max_length | MTP | tok/s | ms/token | accepted | peak GB | floor / time |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for tag, run in runs.items():
+        for r in run["rows"]:
+            if r["max_length"] and run["tokens"] == 2000:
+                lines.append(f"| {tag} | {r['attention']} | {r['max_length']} | {r['mode']} | {r['tok_s']:.1f} | "
+                             f"{r['ms_per_token']:.2f} | {100 * r['acceptance']:.1f}% | {r['peak_gb']:.1f} | "
+                             f"{100 * run['floor_ms'] / r['ms_per_token']:.0f}% |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--attention", nargs="+", default=["triton", "kitchen", "masked"])
@@ -171,7 +185,11 @@ def main() -> None:
     ap.add_argument("--json", default="decode_e2e.json")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
     ap.add_argument("--soak", type=int, default=0, help="then run this many soak generations")
+    ap.add_argument("--report", metavar="JSON", help="print the README table of saved runs and exit")
     args = ap.parse_args()
+    if args.report:
+        print(markdown(json.loads(Path(args.report).read_text())))
+        return
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     cfg = config_9b(args.tiny)
