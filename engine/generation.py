@@ -38,7 +38,7 @@ from ..patches.cache import ModelCache
 from .binding import Qwen35Binding, bind
 from .errors import Qwen35Error
 from .forward import Runner
-from .graphs import GraphRunner, graph_blocker
+from .graphs import GraphRunner, graph_blocker, say_once
 from .rope import normalize_positions
 from .sampling import SamplingParams, sample, speculative_accept, target_probs
 
@@ -276,21 +276,12 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
         elif cuda_graphs is True:
             raise Qwen35Error(f"cuda_graphs=True but {blocker}; use cuda_graphs='auto' or False")
         elif torch.device(device).type == "cuda":
-            _say_once(f"Qwen3.5 decode runs without CUDA graphs: {blocker}")
+            say_once(f"Qwen3.5 decode runs without CUDA graphs: {blocker}")
     dec = _Decoder(binding, params, seed=seed, stop_tokens=stop_tokens, min_tokens=min_tokens,
                    initial_tokens=initial_tokens, device=device, mtp_draft=mtp_draft, room=max_length + depth + 1)
     stats = GenerationStats(mtp_depth=depth, attention_backend=backend)
     with torch.no_grad():
         return _run(binding, runner, dec, stats, embeds.to(dtype), positions, max_length, depth, callback)
-
-
-_SAID: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _SAID:
-        _SAID.add(msg)
-        log.warning(msg)
 
 
 def _backend_name(attention: str, cfg, dtype, device) -> str:

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 _SAID: set[str] = set()
 
 
-def _say_once(msg: str) -> None:
+def say_once(msg: str) -> None:
+    """Log a warning the first time this exact message comes up in the process."""
     if msg not in _SAID:
         _SAID.add(msg)
         log.warning(msg)
