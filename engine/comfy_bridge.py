@@ -219,6 +219,11 @@ def _send_text(text: str, node_id: str | None) -> bool:
     return True
 
 
+def show_warning(text: str) -> bool:
+    """Show a warning under the executing node (live text), where this ComfyUI can."""
+    return _send_text(f"Warning: {text}", executing_node_id())
+
+
 @dataclass
 class Progress:
     """Per-step callback for ``engine.generate``: progress bar, Cancel and live text preview.

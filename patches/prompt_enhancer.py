@@ -152,7 +152,18 @@ def enhance(clip, prompt: str, *, system_prompt: str = "", images=None, preset: 
     width, height = size_for_ratio(parsed.wh_ratio, megapixels)
     ratio = parsed.wh_ratio if isinstance(parsed.wh_ratio, str) else (
         "" if parsed.wh_ratio is None else str(parsed.wh_ratio))
-    if not parsed.parse_ok:
+    rewritten, parse_ok = parsed.rewritten_prompt, bool(parsed.parse_ok)
+    if not (rewritten or "").strip():
+        # The token budget ended inside the thinking block (or the answer was empty): never hand an
+        # empty prompt to the image model; fall back to the user's own prompt and say so.
+        unfinished = thinking and "</think>" not in text_out
+        why = (f"the model was still thinking when max_length ({max_length} tokens) ran out"
+               if unfinished else "the model gave an empty answer")
+        message = (f"Qwen3.5 prompt enhancer: {why}; using your own prompt unchanged (parse_ok False). "
+                   "Raise max_length (official: 16256 text-to-image, 24000 edit) for an enhanced prompt.")
+        log.warning("%s", message)
+        bridge.show_warning(message)
+        rewritten, parse_ok = prompt.strip(), False
+    elif not parse_ok:
         log.warning("Qwen3.5 prompt enhancer: the answer had no usable JSON; returning the raw answer")
-    return EnhancerResult(parsed.rewritten_prompt, thinking_text, ratio, int(width), int(height),
-                          bool(parsed.parse_ok), text_out, stats)
+    return EnhancerResult(rewritten, thinking_text, ratio, int(width), int(height), parse_ok, text_out, stats)

@@ -50,6 +50,7 @@ WIDGETS = {
                      "sampling_mode.seed", "sampling_mode.presence_penalty", "thinking", "use_default_template"],
     "PreviewAny": [],
     "LoadImage": ["image", "+upload"],
+    "ImageScale": ["upscale_method", "width", "height", "crop"],
     "UNETLoader": ["unet_name", "weight_dtype"],
     "VAELoader": ["vae_name"],
     "ModelSamplingAuraFlow": ["shift"],
@@ -72,6 +73,7 @@ SOCKETS = {
                      [("generated_text", "STRING")]),
     "PreviewAny": ([("source", "*")], [("STRING", "STRING")]),
     "LoadImage": ([], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
+    "ImageScale": ([("image", "IMAGE")], [("IMAGE", "IMAGE")]),
     "UNETLoader": ([], [("MODEL", "MODEL")]),
     "VAELoader": ([], [("VAE", "VAE")]),
     "ModelSamplingAuraFlow": ([("model", "MODEL")], [("MODEL", "MODEL")]),
@@ -271,13 +273,20 @@ def text_generate() -> Graph:
     return g
 
 
+#: API-twin-only nodes: the edit twin shrinks the input image so a CPU server runs the vision
+#: tower and the prompt in seconds (the UI workflow feeds the full image).
+API_IMAGE_SCALE = {"7": {"class_type": "ImageScale",
+                         "inputs": {"upscale_method": "area", "width": 64, "height": 64, "crop": "center",
+                                    "image": ["6", 0]}}}
+
+
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
     specs = [
         ("qwen_image_2.1_pe_text_to_image", "pe_text_to_image_api", text_to_image(), [PE_T2I, MTP, DIT, TE, VAE],
          {1, 2, 3, 4, 5}, {2: {"max_length": 8}}),
         ("qwen_image_2.1_pe_edit", "pe_edit_api", edit(), [PE_I2I, MTP, DIT, TE, VAE], {1, 2, 3, 4, 5, 6},
-         {2: {"max_length": 8}}),
+         {2: {"max_length": 8, "images": ["7", 0]}}),
         ("textgenerate_length_aware", "textgenerate_length_aware_api", text_generate(), [PE_T2I], None, {}),
     ]
     for ui_name, api_name, graph, models, keep, api_overrides in specs:
@@ -287,6 +296,9 @@ def main() -> None:
         api = to_api(graph, keep)
         for nid, values in api_overrides.items():  # API twins stay short so servers can run them on a CPU
             api[str(nid)]["inputs"].update(values)
+        for nid, node in API_IMAGE_SCALE.items():
+            if any(v == [nid, 0] for n in api.values() for v in n["inputs"].values()):
+                api[nid] = json.loads(json.dumps(node))
         (OUT / "api" / f"{api_name}.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n")
 
 

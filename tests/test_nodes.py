@@ -390,6 +390,18 @@ def test_enhancer_broken_json_falls_back_to_raw_answer(scripted):
     assert width > 0 and height > 0
 
 
+def test_enhancer_budget_ends_while_thinking_falls_back_to_user_prompt(scripted, caplog):
+    scripted("The user wants a fox. Let me think about the lantern, the snow and")  # no </think>
+    exec_utils.NODE_ID = "7"
+    with caplog.at_level("WARNING"):
+        rewritten, thinking, _, width, height, ok = run_pe(FakeCLIP(), prompt="  a fox in the snow ")
+    assert rewritten == "a fox in the snow" and ok is False
+    assert "Let me think about the lantern" in thinking
+    assert width > 0 and height > 0
+    assert any("still thinking" in r.getMessage() and "max_length" in r.getMessage() for r in caplog.records)
+    assert any("still thinking" in text for _, text in server.PromptServer.instance.texts)
+
+
 def test_enhancer_edit_mode_passes_images_and_positions(scripted):
     eng = scripted('{"rewritten_prompt": "x", "wh_ratio": "1:1"}')
     clip = FakeCLIP()
