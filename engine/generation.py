@@ -40,7 +40,7 @@ from .errors import Qwen35Error
 from .forward import Runner
 from .graphs import GraphRunner, graph_blocker, say_once
 from .rope import normalize_positions
-from .sampling import SamplingParams, sample, speculative_accept, target_probs
+from .sampling import SamplingParams, sample, speculative_accept, target_candidates, target_probs
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,10 @@ class _Decoder:
         """The next token from one row of logits ``[1,V]`` (float32) after the current history."""
         if self.greedy:
             return int(logits[0].argmax())
-        probs = target_probs(logits, self.histories((), 1), self.params)
-        return int(sample(probs, self.generator)[0])
+        # ComfyUI's own draw (same candidate list and order, same generator use): with MTP off the
+        # same seed gives core's tokens.
+        probs, ids = target_candidates(logits, self.histories((), 1), self.params)
+        return int(sample(probs, self.generator, candidates=ids)[0])
 
 
 def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True, max_length: int = 256,
@@ -400,7 +402,7 @@ def _draft(binding, runner: Runner, dec: _Decoder, positions: _Positions, pend_h
             continue
         q = target_probs(logits, dec.histories(drafts, len(drafts) + 1)[-1:], dec.params)
         if dec.mtp_draft == "sample":
-            drafts.append(int(sample(q, dec.generator)[0]))
+            drafts.append(int(sample(q, dec.generator, top_k=dec.params.top_k)[0]))
             qs.append(q[0])
         else:
             drafts.append(int(q[0].argmax()))
@@ -425,5 +427,5 @@ def _accept(dec: _Decoder, logits: torch.Tensor, drafts: list[int], qs) -> tuple
         if not ok:
             return new + [replacement], i
         new.append(drafts[i])
-    new.append(int(sample(probs[k:k + 1], dec.generator)[0]))
+    new.append(int(sample(probs[k:k + 1], dec.generator, top_k=dec.params.top_k)[0]))
     return new, k

@@ -94,6 +94,19 @@ def target_probs(logits: torch.Tensor, histories: Sequence[Sequence[int]],
     for float32 semantics. For greedy params the result is a one-hot of the argmax of the raw
     logits (no penalties: ComfyUI's greedy path ignores them). ``logits`` is never modified.
     """
+    n, v = _check_request(logits, histories, params)
+    if params.greedy:
+        out = torch.zeros(n, v, dtype=torch.float32, device=logits.device)
+        return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    x = _penalised_tempered(logits, histories, params)
+    if params.top_k > 0:
+        probs_k, indices = _top_k_candidates(x, params)
+        out = torch.zeros(n, v, dtype=torch.float32, device=logits.device)
+        return out.scatter_(1, indices, probs_k)
+    return _filtered_softmax(x, params).float()
+
+
+def _check_request(logits, histories, params: SamplingParams) -> tuple[int, int]:
     params.validate()
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"target_probs: logits must be a 2-D tensor [N, V], got "
@@ -106,26 +119,42 @@ def target_probs(logits: torch.Tensor, histories: Sequence[Sequence[int]],
     if len(histories) != n:
         raise ValueError(f"target_probs: need one token history per logits row, got {len(histories)} "
                          f"histories for {n} rows (pass [] for a row without history)")
+    return n, v
 
-    if params.greedy:
-        out = torch.zeros(n, v, dtype=torch.float32, device=logits.device)
-        return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
+def _penalised_tempered(logits: torch.Tensor, histories, params: SamplingParams) -> torch.Tensor:
+    """Penalties on the rows' seen tokens, then the temperature (ComfyUI's first two steps)."""
     x = logits
-    penalised = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-    if penalised:
+    if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0:
+        n, v = logits.shape
         mask = _history_mask(histories, n, v, logits.device)
         if mask is not None:
             x = torch.where(mask, _penalise(x, params), x)
     if params.temperature != 1.0:
         x = x / params.temperature
+    return x
 
-    if params.top_k > 0:
-        values, indices = torch.topk(x, min(params.top_k, v))
-        probs_k = _filtered_softmax(values, params)
-        out = torch.zeros(n, v, dtype=torch.float32, device=logits.device)
-        return out.scatter_(1, indices, probs_k.float())
-    return _filtered_softmax(x, params).float()
+
+def target_candidates(logits: torch.Tensor, histories: Sequence[Sequence[int]],
+                      params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's sampling candidates: logits ``[N,V]`` -> ``(probs [N,K] float32, ids [N,K] int64)``.
+
+    With ``top_k > 0`` the K = min(top_k, V) candidates are ``torch.topk``'s survivors in its order
+    (descending), exactly the list ComfyUI's ``sample_token`` hands to ``torch.multinomial``; filtered
+    candidates keep probability 0. Otherwise (and for greedy params) K = V in index order. Feed the
+    pair to ``sample(probs, generator, candidates=ids)`` to draw the token ComfyUI would draw.
+    """
+    if params.greedy or params.top_k <= 0:
+        probs = target_probs(logits, histories, params)
+        ids = torch.arange(probs.shape[1], device=probs.device).expand(probs.shape[0], -1)
+        return probs, ids
+    _check_request(logits, histories, params)
+    return _top_k_candidates(_penalised_tempered(logits, histories, params), params)
+
+
+def _top_k_candidates(x: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = torch.topk(x, min(params.top_k, x.shape[-1]))
+    return _filtered_softmax(values, params).float(), indices
 
 
 def _penalise(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -206,14 +235,29 @@ def _filtered_softmax(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 # Sampling and speculative acceptance
 # --------------------------------------------------------------------------------------------
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row: probs ``[N,V]`` (non-negative, any positive row sum) -> int64 ``[N]``.
+def sample(probs: torch.Tensor, generator: torch.Generator | None, *, top_k: int = 0,
+           candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row, drawn the way ComfyUI's ``sample_token`` draws it. -> int64 ``[N]``.
 
+    probs ``[N,V]`` (non-negative, any positive row sum), or ``[N,K]`` over ``candidates`` (int64
+    ``[N,K]`` token ids, e.g. from ``target_candidates``). ComfyUI calls ``torch.multinomial`` on the
+    top-k list in ``torch.topk`` order, so the generator is consumed per candidate and the same seed
+    picks the same token only when the list and its order match: pass ``candidates`` for an exact
+    replay, or ``top_k`` (> 0) to rebuild the list from ``probs [N,V]`` (``torch.topk`` of the
+    probabilities: the same list and order unless two candidates have equal probability). With
+    neither, the draw is over the whole vocabulary in index order (ComfyUI's ``top_k == 0`` path).
     ``generator`` must live on probs' device (None uses torch's default generator).
     """
     if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
         raise ValueError(f"sample: probs must be a 2-D tensor [N, V], got "
                          f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs)}")
+    if candidates is None and top_k > 0:
+        probs, candidates = torch.topk(probs, min(int(top_k), probs.shape[1]))
+    if candidates is not None:
+        if tuple(candidates.shape) != tuple(probs.shape):
+            raise ValueError(f"sample: candidates {tuple(candidates.shape)} must match probs {tuple(probs.shape)}")
+        picked = torch.multinomial(probs, num_samples=1, generator=generator)
+        return candidates.gather(1, picked).squeeze(-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 

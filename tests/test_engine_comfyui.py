@@ -92,3 +92,8 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     with torch.no_grad():
         core_s = model.generate(emb.clone(), **kw)
     assert generate(model, emb, mtp="off", **kw).tokens == core_s
+    # top-k on (the PE settings): ComfyUI draws over the top-k list in topk order; so does the engine
+    kw.update(top_k=20, top_p=0.95, repetition_penalty=1.05, seed=11)
+    with torch.no_grad():
+        core_k = model.generate(emb.clone(), **kw)
+    assert generate(model, emb, mtp="off", **kw).tokens == core_k

@@ -21,6 +21,7 @@ from qwen35_fast.engine.sampling import (
     residual_distribution,
     sample,
     speculative_accept,
+    target_candidates,
     target_probs,
 )
 
@@ -474,3 +475,71 @@ def test_greedy_accept_count(rng):
         while want < k and drafts[want] == target[want]:
             want += 1
         assert greedy_accept_count(target, drafts) == want
+
+
+# ------------------------------------------------------------------------------------------
+# The draw itself: same seed, same token as ComfyUI's sample_token
+# ------------------------------------------------------------------------------------------
+
+def _draw_cases(rng, n):
+    settings = [dict(temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, repetition_penalty=1.0, presence_penalty=1.5),
+                dict(temperature=0.7, top_k=64, top_p=0.95, min_p=0.05, repetition_penalty=1.05, presence_penalty=0.0),
+                dict(temperature=1.3, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0),
+                dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5),
+                dict(temperature=0.9, top_k=3000, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0),
+                dict(temperature=1.0, top_k=5, top_p=0.5, min_p=0.2, repetition_penalty=1.0, presence_penalty=0.0)]
+    for i in range(n):
+        kw = settings[i % len(settings)]
+        vocab = int(torch.randint(50, 4000, (1,), generator=rng))
+        logits = torch.randn(1, vocab, generator=rng) * float(torch.rand((), generator=rng) * 6 + 0.5)
+        history = torch.randint(0, vocab, (int(torch.randint(0, 40, (1,), generator=rng)),), generator=rng).tolist()
+        yield kw, logits, history
+
+
+def test_sample_draws_the_token_comfyui_draws_for_the_same_seed(rng):
+    """Decoder path: target_candidates + sample(candidates=...) == ComfyUI's sample_token, token by token,
+    with the generator left in the same state (so whole generations match for a seed)."""
+    from tests.oracles.comfy_sampling import comfy_sample_token
+
+    for kw, logits, history in _draw_cases(rng, 60):
+        params = SamplingParams(do_sample=True, **kw)
+        seed = int(torch.randint(2**31, (1,), generator=rng))
+        g_core, g_ours = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for _ in range(3):  # consecutive draws: the generators must stay in step
+            want = int(comfy_sample_token(logits.clone(), kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"],
+                                          kw["repetition_penalty"], history, g_core,
+                                          presence_penalty=kw["presence_penalty"]))
+            probs, ids = target_candidates(logits, [history], params)
+            got = int(sample(probs, g_ours, candidates=ids)[0])
+            assert got == want, kw
+        assert torch.equal(g_core.get_state(), g_ours.get_state())
+
+
+def test_sample_top_k_from_full_probs_matches_comfyui(rng):
+    """sample(probs [N,V], top_k=k) rebuilds ComfyUI's candidate list from the scattered distribution."""
+    from tests.oracles.comfy_sampling import comfy_sample_token
+
+    for kw, logits, history in _draw_cases(rng, 36):
+        if kw["top_k"] == 0:
+            continue
+        params = SamplingParams(do_sample=True, **kw)
+        seed = int(torch.randint(2**31, (1,), generator=rng))
+        want = int(comfy_sample_token(logits.clone(), kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"],
+                                      kw["repetition_penalty"], history, torch.Generator().manual_seed(seed),
+                                      presence_penalty=kw["presence_penalty"]))
+        probs = target_probs(logits, [history], params)
+        got = int(sample(probs, torch.Generator().manual_seed(seed), top_k=kw["top_k"])[0])
+        assert got == want, kw
+
+
+def test_target_candidates_match_target_probs(rng):
+    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, min_p=0.02, presence_penalty=1.5)
+    logits = torch.randn(3, 500, generator=rng) * 3
+    hist = [[1, 2, 3], [], [499, 7]]
+    probs, ids = target_candidates(logits, hist, params)
+    assert probs.shape == ids.shape == (3, 30) and probs.dtype == torch.float32 and ids.dtype == torch.int64
+    full = torch.zeros(3, 500).scatter_(1, ids, probs)
+    assert torch.equal(full, target_probs(logits, hist, params))
+    assert bool((probs[:, :-1] >= probs[:, 1:]).all()), "candidates are not in descending order"
+    with pytest.raises(ValueError, match="candidates"):
+        sample(probs, None, candidates=ids[:, :5])
