@@ -8,6 +8,7 @@ casting and offloading keep working. The one weight read directly is the tied ou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -47,6 +48,21 @@ class Qwen35Binding:
         self.layers = list(transformer.layers)
         self.is_comfy = hasattr(transformer.embed_tokens, "comfy_cast_weights")
         self.mtp_hidden = "normed"
+        self._holding = False
+        self._held: tuple | None = None  # (key, output weight cast for the execution dtype)
+
+    @contextlib.contextmanager
+    def holding_output_weight(self):
+        """Within this block, the output projection's weight cast (tied ``embed_tokens`` or
+        ``lm_head``, vocab x hidden) is made once per execution dtype and reused by every ``logits``
+        call instead of once per call. Only where the cast is a plain in-memory dtype change on the
+        CPU (no device transfer, no weight patches): there a cast of the 248k-row table costs more
+        than the matmul, and an MTP step needs one per draft. The values are the same casts."""
+        self._holding, self._held = True, None
+        try:
+            yield self
+        finally:
+            self._holding, self._held = False, None
 
     # ------------------------------------------------------------------ MTP head
     @property
@@ -70,6 +86,9 @@ class Qwen35Binding:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]``."""
         head = getattr(self.transformer, "lm_head", None)
+        held = self._held_weight(head if head is not None else self.transformer.embed_tokens, h)
+        if held is not None:
+            return F.linear(h, held).float()
         if head is not None:
             return head(h).float()
         module = self.transformer.embed_tokens
@@ -79,6 +98,34 @@ class Qwen35Binding:
         if w.dtype != h.dtype or w.device != h.device:
             w = w.to(h)
         return F.linear(h, w).float()
+
+    def _held_weight(self, module, h: torch.Tensor) -> torch.Tensor | None:
+        """The output weight cast once for ``h``'s dtype while holding (see ``holding_output_weight``)."""
+        if not self._holding or h.device.type != "cpu":
+            return None
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, torch.nn.Parameter) or \
+                w.device != h.device or getattr(module, "bias", None) is not None or \
+                getattr(module, "weight_function", None) or getattr(module, "bias_function", None):
+            return None
+        key = (id(module), h.dtype, w._version)
+        if self._held is None or self._held[0] != key:
+            if getattr(module, "comfy_cast_weights", False):
+                weight = _comfy_cast_weight(module, h)
+            else:
+                weight = w if w.dtype == h.dtype else w.to(h.dtype)
+            self._held = (key, weight.detach())
+        return self._held[1]
+
+
+def _comfy_cast_weight(module, h: torch.Tensor) -> torch.Tensor:
+    """``module``'s weight as ComfyUI's ops cast it for ``h`` (its dtype and device)."""
+    import comfy.ops
+
+    res = comfy.ops.cast_bias_weight(module, h, offloadable=True)
+    if len(res) > 2 and hasattr(comfy.ops, "uncast_bias_weight"):
+        comfy.ops.uncast_bias_weight(module, res[0], None, res[2])
+    return res[0]
 
 
 def _comfy_tied_logits(module, h: torch.Tensor) -> torch.Tensor:

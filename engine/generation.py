@@ -282,7 +282,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     dec = _Decoder(binding, params, seed=seed, stop_tokens=stop_tokens, min_tokens=min_tokens,
                    initial_tokens=initial_tokens, device=device, mtp_draft=mtp_draft, room=max_length + depth + 1)
     stats = GenerationStats(mtp_depth=depth, attention_backend=backend)
-    with torch.no_grad():
+    with torch.no_grad(), binding.holding_output_weight():
         return _run(binding, runner, dec, stats, embeds.to(dtype), positions, max_length, depth, callback)
 
 

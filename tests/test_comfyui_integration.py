@@ -42,6 +42,7 @@ VL_CKPT = "qwen35_08b_random_vl.safetensors"          # with vision weights
 MTP_FILE = "qwen35_08b_random_mtp.safetensors"        # mtp.* only
 BAD_MTP_FILE = "qwen35_bad_mtp.safetensors"           # mtp.* of the wrong width
 NOT_QWEN = "not_qwen35.safetensors"
+CLIP_L = "clip_l_stub.safetensors"  # core loads it as a CLIP-L (missing weights only warned): a non-Qwen3.5 CLIP
 SUBSTITUTE = {
     "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors": TEXT_CKPT,
     "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors": VL_CKPT,
@@ -157,6 +158,7 @@ def _build_files(cache: Path) -> Path:
         MTP_FILE: lambda: _mtp_tensors(torch, 3),
         BAD_MTP_FILE: lambda: _mtp_tensors(torch, 4, hidden=512),
         NOT_QWEN: lambda: {"encoder.block.0.layer.0.SelfAttention.k.weight": torch.zeros(8, 8)},
+        CLIP_L: lambda: {"text_model.encoder.layers.0.mlp.fc1.weight": torch.zeros(3072, 768, dtype=torch.float16)},
     }
     for name, make in jobs.items():
         path = cache / name
@@ -372,16 +374,27 @@ def test_patched_greedy_equals_core_greedy(server):
     gen["inputs"]["clip"] = prompt[patch_id]["inputs"]["clip"]
     del prompt[patch_id]
     core = _texts(server.run(prompt))
+    print(f"greedy through the patch: {patched}; core: {core}")
     assert patched and patched == core
 
 
 def _bad(server, prompt):
+    msg = _bad_message(server, prompt)
+    print(f"bad input -> {msg[:300]}")
+    return msg
+
+
+def _bad_message(server, prompt):
     status, body = server.queue(prompt)
     if status != 200:
         return json.dumps(body)
+    if body.get("node_errors"):  # refused at validation; other outputs of the graph may still run
+        server.wait(body["prompt_id"])
+        return json.dumps(body["node_errors"])
     h = server.wait(body["prompt_id"])
     assert h["status"]["status_str"] == "error", "bad input was accepted"
-    return _error(h)["exception_message"]
+    server.last_error = _error(h)
+    return f"{server.last_error['node_type']}: {server.last_error['exception_message']}"
 
 
 def test_bad_inputs_give_clear_errors(server):
@@ -417,27 +430,49 @@ def test_bad_inputs_give_clear_errors(server):
     # core refuses an unknown text encoder itself; what matters is a clear error, not a crash
     assert _bad(server, patch)
 
+    # a CLIP that core loads but that is not Qwen3.5 (CLIP-L), into the patch node and the enhancer
+    patch[core_loader]["inputs"].update(clip_name=CLIP_L, type="stable_diffusion")
+    msg = _bad(server, patch)
+    assert "Qwen3.5" in msg and server.last_error["node_type"] == "Qwen35FastLengthAwarePatch", server.last_error
+    p = json.loads(json.dumps(base))
+    p[loader] = {"class_type": "CLIPLoader",
+                 "inputs": {"clip_name": CLIP_L, "type": "stable_diffusion", "device": "default"}}
+    p = {k: v for k, v in p.items() if not (v["class_type"] == "PreviewAny" and v["inputs"]["source"] == [loader, 1])}
+    assert "Qwen3.5" in _bad(server, p)
+
+    # the server still runs a good prompt afterwards
+    ok = _api("textgenerate_length_aware_api.json")
+    assert server.run(ok)["status"]["status_str"] == "success"
+
 
 def test_interrupt_then_next_prompt_runs(server):
     prompt = _api("textgenerate_length_aware_api.json")
     gen = next(n for n in prompt.values() if n["class_type"] == "TextGenerate")
     gen["inputs"]["max_length"] = 4000
     gen["inputs"]["sampling_mode"] = "off"
+    log_start = len(server.log_path.read_text())
     status, body = server.queue(prompt)
     assert status == 200, body
     pid = body["prompt_id"]
-    end = time.time() + 120
-    while time.time() < end:  # wait until it is running
-        q = server.get("/queue")
-        if any(item[1] == pid for item in q.get("queue_running", [])):
+    end = time.time() + 180
+    while time.time() < end:  # wait until the patched CLIP has asked ComfyUI to load the model for generate
+        new_log = server.log_path.read_text()[log_start:]
+        marker = new_log.find("length-aware decode on")
+        if marker >= 0 and "Requested to load" in new_log[marker:]:
             break
-        time.sleep(0.2)
-    time.sleep(8)  # let the model load and decode a few tokens
+        time.sleep(0.5)
+    else:
+        pytest.fail("generation did not start: " + server.log_path.read_text()[log_start:][-2000:])
+    time.sleep(float(os.environ.get("QWEN35_FAST_INTERRUPT_AFTER_S", "25")))  # prefill + a few tokens
+    assert server.get(f"/history/{pid}") == {}, "the generation finished before the interrupt"
     server.post("/interrupt", {})
     h = server.wait(pid, timeout=120)
     assert h["status"]["status_str"] == "error"
     kinds = [m[0] for m in h["status"]["messages"]]
     assert "execution_interrupted" in kinds, kinds
+    interrupted = next(m[1] for m in h["status"]["messages"] if m[0] == "execution_interrupted")
+    print(f"interrupted in node {interrupted.get('node_id')} ({interrupted.get('node_type')})")
+    assert interrupted.get("node_type") == "TextGenerate", interrupted  # mid-generation, not while loading
     ok = _api("textgenerate_length_aware_api.json")
     nxt = next(n for n in ok.values() if n["class_type"] == "TextGenerate")
     nxt["inputs"]["seed"] = int(uuid.uuid4().int % 1000)  # a new prompt, not a cache hit
