@@ -108,7 +108,7 @@ class Qwen35Binding:
                 w.device != h.device or getattr(module, "bias", None) is not None or \
                 getattr(module, "weight_function", None) or getattr(module, "bias_function", None):
             return None
-        key = (id(module), h.dtype, w._version)
+        key = (id(module), h.dtype)  # weights do not change within one generation
         if self._held is None or self._held[0] != key:
             if getattr(module, "comfy_cast_weights", False):
                 weight = _comfy_cast_weight(module, h)

@@ -153,3 +153,25 @@ def test_bad_requests(model):
         args.update(kw)
         with pytest.raises(Qwen35Error, match=msg):
             generate(m, args.pop("embeds"), **args)
+
+
+def test_held_output_weight_same_logits_and_inference_tensors(model, rng):
+    """The once-per-generation cast of the output projection gives the per-call logits bit for bit,
+    also for weights made under inference mode (as ComfyUI loads them) and for a bf16 table."""
+    m, d = model
+    b = bind(m)
+    h = torch.randn(1, 3, d["hidden_size"], generator=rng)
+    want = b.logits(h)
+    with b.holding_output_weight():
+        assert torch.equal(b.logits(h), want) and torch.equal(b.logits(h), want)
+    with torch.inference_mode():  # ComfyUI loads and runs under inference mode
+        for name in ("embed_tokens", "lm_head"):
+            mod = getattr(b.transformer, name, None)
+            if mod is not None:
+                mod.weight = torch.nn.Parameter(mod.weight.detach().to(torch.bfloat16), requires_grad=False)
+        assert b.transformer.embed_tokens.weight.is_inference()
+        want = b.logits(h)
+        with b.holding_output_weight():
+            assert torch.equal(b.logits(h), want)
+        res = generate(m, h[0], do_sample=False, max_length=6, mtp="off")
+    assert len(res.tokens) == 6
