@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from ..engine import comfy_bridge as bridge
+from ..engine.pe import get_preset, parse_answer, size_for_ratio, split_thinking
 from . import clip_patch
 
 log = logging.getLogger(__name__)
@@ -19,50 +20,17 @@ PRESET_NAMES = ("text-to-image", "edit", "custom")
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_LENGTH_LIMIT = 65536
 
-# Official Qwen-Image 2.1 prompt-enhancer settings (used when engine.pe.PRESETS lacks a preset).
-_OFFICIAL = {
-    "text-to-image": dict(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5,
-                          max_length=16256),
-    "edit": dict(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=0.0, max_length=24000),
-}
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
 
 
 def preset_settings(name: str) -> dict:
-    """Sampling settings of an official preset (from ``engine.pe.PRESETS`` when it has them)."""
-    if name not in _OFFICIAL:
+    """Sampling settings and ``max_length`` of an official preset (``engine.pe.PRESETS``)."""
+    if name not in PRESET_NAMES or name == "custom":
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
-    settings = dict(_OFFICIAL[name])
-    try:
-        from ..engine.pe import PRESETS
-    except ImportError:
-        return settings
-    preset = _lookup_preset(PRESETS, name)
-    if preset is not None:
-        for key in _SAMPLING_KEYS:
-            value = _get(preset, key)
-            if value is not None:
-                settings[key] = value
-        max_new = _get(preset, "max_new_tokens", _get(preset, "max_length"))
-        if max_new is not None:
-            settings["max_length"] = int(max_new)
+    preset = get_preset(name)
+    settings = {key: preset[key] for key in _SAMPLING_KEYS}
+    settings["max_length"] = int(preset["max_new_tokens"])
     return settings
-
-
-def _lookup_preset(presets, name):
-    aliases = {"text-to-image": ("text-to-image", "t2i", "text_to_image"), "edit": ("edit", "i2i", "image_edit")}
-    for alias in aliases[name]:
-        try:
-            return presets[alias]
-        except (KeyError, TypeError, IndexError):
-            continue
-    return None
-
-
-def _get(obj, key, default=None):
-    if isinstance(obj, dict):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
 
 
 def chat_text(system_prompt: str, prompt: str, n_images: int, thinking: bool) -> str:
@@ -123,11 +91,6 @@ def enhance(clip, prompt: str, *, system_prompt: str = "", images=None, preset: 
         settings = {k: (custom or {})[k] for k in _SAMPLING_KEYS}
     else:
         settings = preset_settings(preset)
-    try:
-        from ..engine.pe import parse_answer, size_for_ratio, split_thinking
-    except ImportError:  # the engine's PE helpers are optional; keep the node usable without them
-        from .pe_fallback import parse_answer, size_for_ratio, split_thinking
-
     image_list = split_images(images)
     text = chat_text(system_prompt or "", prompt, len(image_list), thinking)
     tokens = clip.tokenize(text, images=image_list) if image_list else clip.tokenize(text)
