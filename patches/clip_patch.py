@@ -57,13 +57,24 @@ def _decoder(tokenizer):
     return decode
 
 
-class TokensGenerate:
-    """Replacement for ``SDClipModel.generate(tokens, do_sample, max_length, ...)``."""
+class _EngineGenerate:
+    """Shared part of the two replacements: settings, preview decoder and the engine call."""
 
     def __init__(self, target: bridge.Qwen35Target, settings: PatchSettings, tokenizer=None):
         self.target = target
         self.settings = settings
         self.tokenizer = tokenizer
+
+    def _run(self, embeds, position_ids, caller_kwargs: dict, **sampling):
+        mtp = _caller_mtp(self.settings.mtp, caller_kwargs.pop("mtp", None))
+        _ignore_extra(caller_kwargs)
+        return bridge.run_engine(
+            self.target, embeds, mtp=mtp, attention=self.settings.attention, position_ids=position_ids,
+            decode=_decoder(self.tokenizer), label="Qwen3.5 length-aware generate", **sampling)
+
+
+class TokensGenerate(_EngineGenerate):
+    """Replacement for ``SDClipModel.generate(tokens, do_sample, max_length, ...)``."""
 
     def __call__(self, tokens, do_sample=True, max_length=256, temperature=1.0, top_k=50, top_p=0.95,
                  min_p=0.0, repetition_penalty=1.0, seed=None, presence_penalty=0.0, **kwargs):
@@ -72,22 +83,14 @@ class TokensGenerate:
         if device is None:
             device = clip_model.transformer.get_input_embeddings().weight.device
         embeds, position_ids = bridge.prompt_embeds(self.target, tokens, device)
-        mtp = _caller_mtp(self.settings.mtp, kwargs.pop("mtp", None))
-        _ignore_extra(kwargs)
-        return bridge.run_engine(
-            self.target, embeds, do_sample=do_sample, max_length=max_length, temperature=temperature,
+        return self._run(
+            embeds, position_ids, kwargs, do_sample=do_sample, max_length=max_length, temperature=temperature,
             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-            presence_penalty=presence_penalty, mtp=mtp, attention=self.settings.attention,
-            position_ids=position_ids, decode=_decoder(self.tokenizer), label="Qwen3.5 length-aware generate")
+            presence_penalty=presence_penalty)
 
 
-class EmbedsGenerate:
+class EmbedsGenerate(_EngineGenerate):
     """Replacement for ``BaseGenerate.generate(embeds, do_sample, max_length, ...)``."""
-
-    def __init__(self, target: bridge.Qwen35Target, settings: PatchSettings, tokenizer=None):
-        self.target = target
-        self.settings = settings
-        self.tokenizer = tokenizer
 
     def __call__(self, embeds=None, do_sample=True, max_length=256, temperature=1.0, top_k=50, top_p=0.9,
                  min_p=0.0, repetition_penalty=1.0, seed=42, stop_tokens=None, initial_tokens=(),
@@ -103,15 +106,11 @@ class EmbedsGenerate:
             embeds = embeds.unsqueeze(0)
         if position_ids is None and embeds_info:
             position_ids = bridge.mrope_positions(embeds_info, embeds.shape[1], embeds.device)
-        mtp = _caller_mtp(self.settings.mtp, kwargs.pop("mtp", None))
-        _ignore_extra(kwargs)
-        return bridge.run_engine(
-            self.target, embeds, do_sample=do_sample, max_length=max_length, temperature=temperature,
+        return self._run(
+            embeds, position_ids, kwargs, do_sample=do_sample, max_length=max_length, temperature=temperature,
             top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-            presence_penalty=presence_penalty, mtp=mtp, attention=self.settings.attention,
-            position_ids=position_ids, stop_tokens=stop_tokens, initial_tokens=initial_tokens,
-            min_tokens=min_tokens, execution_dtype=execution_dtype, decode=_decoder(self.tokenizer),
-            label="Qwen3.5 length-aware generate")
+            presence_penalty=presence_penalty, stop_tokens=stop_tokens, initial_tokens=initial_tokens,
+            min_tokens=min_tokens, execution_dtype=execution_dtype)
 
 
 def _caller_mtp(patch_mtp, caller_mtp):
