@@ -37,9 +37,10 @@ def rel_err(out, ref):
 
 
 def make(gen, b, hq, hkv, s, d, cap, dtype):
-    q = torch.randn(b, hq, s, d, generator=gen).to(dtype)
-    k = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
-    v = torch.randn(b, hkv, cap, d, generator=gen).to(dtype)
+    """Random q ``[b,hq,s,d]`` and caches ``[b,hkv,cap,d]`` in dtype, on the generator's device."""
+    q = torch.randn(b, hq, s, d, generator=gen, device=gen.device).to(dtype)
+    k = torch.randn(b, hkv, cap, d, generator=gen, device=gen.device).to(dtype)
+    v = torch.randn(b, hkv, cap, d, generator=gen, device=gen.device).to(dtype)
     return q, k, v
 
 
@@ -217,9 +218,7 @@ def _gpu_backends(q):
 def test_gpu_bf16_accuracy_9b_shape(s):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cap = 8192
-    q = torch.randn(2, 16, s, 256, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(2, 4, cap, 256, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(2, 4, cap, 256, device="cuda", generator=gen).bfloat16()
+    q, k, v = make(gen, 2, 16, 4, s, 256, cap, torch.bfloat16)
     for lens in ([3000, 17], [cap, s], [1, 4097]):
         lengths = torch.tensor(lens, dtype=torch.int32, device="cuda")
         ref = reference_f64_gpu(q, k, v, lengths, True)
@@ -233,9 +232,7 @@ def test_gpu_bf16_accuracy_9b_shape(s):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_other_dtypes_and_dims(dtype, d):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
-    q = torch.randn(1, 8, 3, d, device="cuda", generator=gen).to(dtype)
-    k = torch.randn(1, 2, 5000, d, device="cuda", generator=gen).to(dtype)
-    v = torch.randn(1, 2, 5000, d, device="cuda", generator=gen).to(dtype)
+    q, k, v = make(gen, 1, 8, 2, 3, d, 5000, dtype)
     lengths = torch.tensor([4321], dtype=torch.int32, device="cuda")
     out = decode_attention(q, k, v, lengths, backend="triton")
     err = rel_err(out, reference_f64_gpu(q, k, v, lengths, True))
@@ -246,9 +243,7 @@ def test_gpu_other_dtypes_and_dims(dtype, d):
 def test_gpu_graph_replay_with_new_lengths():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cap, s = 40000, 4
-    q = torch.randn(1, 16, s, 256, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(1, 4, cap, 256, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(1, 4, cap, 256, device="cuda", generator=gen).bfloat16()
+    q, k, v = make(gen, 1, 16, 4, s, 256, cap, torch.bfloat16)
     lengths = torch.tensor([100], dtype=torch.int32, device="cuda")
     for backend in ("triton", "kitchen"):
         if backend not in _gpu_backends(q):
@@ -271,9 +266,7 @@ def test_gpu_graph_replay_with_new_lengths():
 def test_gpu_poison_and_agreement():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cap, s = 20000, 6
-    q = torch.randn(1, 16, s, 256, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(1, 4, cap, 256, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(1, 4, cap, 256, device="cuda", generator=gen).bfloat16()
+    q, k, v = make(gen, 1, 16, 4, s, 256, cap, torch.bfloat16)
     lengths = torch.tensor([12345], dtype=torch.int32, device="cuda")
     outs = {b: decode_attention(q, k, v, lengths, backend=b) for b in _gpu_backends(q)}
     for b, o in outs.items():
