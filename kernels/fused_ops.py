@@ -1,0 +1,376 @@
+"""Fused elementwise / norm kernels for the decode step (one Triton launch each).
+
+At decode sizes (batch 1, S = 1..8 rows, hidden 4096) a Qwen3.5 layer is dominated by the launch
+overhead of ~65 tiny torch kernels. These ops fold the elementwise and norm pieces into one launch
+each and are CUDA-graph safe: no host sync, no ``.item()``, no data-dependent Python control flow,
+and nothing allocated except the returned outputs.
+
+Ops (each computes in float32 inside the kernel and stores in the input dtype):
+
+* ``add_rms_norm``  residual add + RMSNorm                 ``[..., H]``         one program per row
+* ``rms_norm_rope`` per-head RMSNorm + partial RoPE,       ``[B,S,Hn,D]`` ->
+  written transposed for attention                         ``[B,Hn,S,D]``       one program per (row, head)
+* ``silu_mul``      SwiGLU activation ``silu(g) * u``      ``[..., N]``         programs per (row, column tile)
+* ``sigmoid_gate``  attention output gate ``o * sigmoid(gate)``, transposing o back to rows
+                                                           ``[B,S,Hn*D]``       one program per (row, head)
+
+Each op has a plain-torch twin (``*_torch``) doing the identical math; the twins are the fallback
+when Triton cannot run and document the exact rounding points ("round" = cast to the input dtype),
+which the kernels reproduce by casting to the dtype and back at the same places. The public ops
+never fall back on their own: when ``fused_ops_reason`` says the kernels cannot run, they raise
+ValueError naming the ``*_torch`` function, and the caller decides.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+__all__ = [
+    "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_torch",
+    "sigmoid_gate", "sigmoid_gate_torch", "silu_mul", "silu_mul_torch",
+]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_SILU_TILE = 1024  # columns per silu_mul program (no reduction there, so rows are cut into tiles)
+
+
+# ------------------------------------------------------------------ kernels
+@triton.jit
+def _add_rms_norm_kernel(
+    X, R, W, Y, HOUT,
+    sx, sr, sw, n_cols, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(X + row * sx + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * sr + cols, mask=ok, other=0.0).to(tl.float32)
+        h = (x + r).to(Y.dtype.element_ty)  # rounding point: h is a tensor of x's dtype
+        tl.store(HOUT + row * n_cols + cols, h, mask=ok)
+        x = h.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    w = tl.load(W + cols * sw, mask=ok, other=0.0)
+    tl.store(Y + row * n_cols + cols, (x * inv * w).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    X, W, COS, SIN, OUT,
+    sx_b, sx_s, sx_h, sw, sc_s, sc_r, ss_s, ss_r,
+    n_heads, n_rows, d, rot, eps,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % n_heads
+    s = (pid // n_heads) % n_rows
+    b = pid // (n_heads * n_rows)
+    base = X + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + h.to(tl.int64) * sx_h
+    cols = tl.arange(0, BLOCK)
+    ok = cols < d
+    half = rot // 2
+    # partner of each rotary column under rotate-half: c <-> c + half (sign - on the first half)
+    partner = tl.where(cols < half, cols + half, cols - half)
+    is_rot = cols < rot
+    x = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner, mask=is_rot, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / d + eps)
+    w = tl.load(W + cols * sw, mask=ok, other=0.0)
+    wp = tl.load(W + partner * sw, mask=is_rot, other=0.0)
+    # rounding point: the norm returns x's dtype before the rotation
+    n = (x * inv * w).to(OUT.dtype.element_ty).to(tl.float32)
+    n_p = (xp * inv * wp).to(OUT.dtype.element_ty).to(tl.float32)
+    rot_v = tl.where(cols < half, -n_p, n_p)
+    c = tl.load(COS + s * sc_s + cols * sc_r, mask=is_rot, other=1.0)
+    sn = tl.load(SIN + s * ss_s + cols * ss_r, mask=is_rot, other=0.0)
+    out = tl.where(is_rot, n * c + rot_v * sn, n)
+    dst = OUT + ((b.to(tl.int64) * n_heads + h) * n_rows + s) * d + cols
+    tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, OUT, sg, su, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(G + row * sg + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * su + cols, mask=ok, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # rounding point: F.silu(g)
+    tl.store(OUT + row * n_cols + cols, (act * u).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    ATT, GATE, OUT,
+    so_b, so_h, so_s, sg_b, sg_s,
+    n_heads, n_rows, d,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)  # over (b, s, h), in the output's order
+    h = pid % n_heads
+    s = (pid // n_heads) % n_rows
+    b = pid // (n_heads * n_rows)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < d
+    o = tl.load(ATT + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + s.to(tl.int64) * so_s + cols,
+                mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(GATE + b.to(tl.int64) * sg_b + s.to(tl.int64) * sg_s + h * d + cols,
+                mask=ok, other=0.0).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # rounding point: sigmoid
+    dst = OUT + ((b.to(tl.int64) * n_rows + s) * n_heads + h) * d + cols
+    tl.store(dst, (o * sig).to(OUT.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------ helpers
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def fused_ops_reason(t: torch.Tensor) -> str | None:
+    """None when the fused Triton kernels can run on t's device, else why not (one line)."""
+    if t.device.type == "cuda":
+        return None
+    if t.device.type == "cpu" and _interpreting():
+        return None
+    return f"Triton needs a CUDA/ROCm device (got {t.device.type}; set TRITON_INTERPRET=1 to test on CPU)"
+
+
+def _num_warps(block: int) -> int:
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def _require_triton(op: str, t: torch.Tensor) -> None:
+    why = fused_ops_reason(t)
+    if why is not None:
+        raise ValueError(f"{op}: {why}; call {op}_torch instead")
+
+
+def _check_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}; expected bfloat16, float16 or float32")
+
+
+def _check_last_contiguous(op: str, name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} must have a contiguous last dim (stride 1, got strides "
+                         f"{tuple(t.stride())}); pass {name}.contiguous()")
+
+
+def _check_same(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: {', '.join(tensors)} must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_weight(op: str, weight: torch.Tensor, n: int, dim: str) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != n:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"{op}: weight must be a float32 tensor of shape [{n}] (the {dim}), got {got}")
+    if weight.dtype != torch.float32:
+        raise ValueError(f"{op}: weight has dtype {weight.dtype}; expected float32 (the effective weight, "
+                         "prepared once by the caller, e.g. (1 + w).float())")
+
+
+def _rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """t ``[..., N]`` as a ``[M, N]`` view with one row stride (never a copy)."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{op}: the leading dims of {name} (shape {tuple(t.shape)}, strides "
+                         f"{tuple(t.stride())}) do not flatten to rows without a copy; pass "
+                         f"{name}.contiguous()") from None
+
+
+# ------------------------------------------------------------------ add + RMSNorm
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch ``add_rms_norm`` (same math and rounding points; no checks, no graph promise)."""
+    h = x if residual is None else x + residual  # rounded to x.dtype
+    y = F.rms_norm(h.float(), (h.shape[-1],), weight, eps).to(x.dtype)
+    return y.contiguous(), h
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, one launch. Returns ``(y, h)``.
+
+    x ``[..., H]`` (last dim contiguous; bf16/fp16/fp32), residual the same shape and dtype or None,
+    weight float32 ``[H]`` (the effective weight, any ``+1`` offset already applied), eps a float.
+    ``h = x + residual`` rounded to x's dtype (``h`` is x itself, no copy, when residual is None);
+    ``y = h * rsqrt(mean(h**2, -1) + eps) * weight`` in float32, rounded to x's dtype.
+    y and h are ``[..., H]`` contiguous in x's dtype (h as passed when residual is None).
+    """
+    op = "add_rms_norm"
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"{op}: x must be a tensor [..., H]")
+    _check_dtype(op, "x", x)
+    hid = x.shape[-1]
+    _check_weight(op, weight, hid, f"hidden size of x {tuple(x.shape)}")
+    tensors = {"x": x, "weight": weight}
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.shape != x.shape or residual.dtype != x.dtype:
+            got = (f"{tuple(residual.shape)} {residual.dtype}" if isinstance(residual, torch.Tensor)
+                   else type(residual).__name__)
+            raise ValueError(f"{op}: residual must match x ({tuple(x.shape)} {x.dtype}) or be None, got {got}")
+        tensors["residual"] = residual
+    _check_same(op, tensors)
+    _require_triton(op, x)
+    _check_last_contiguous(op, "x", x)
+    x2 = _rows(op, "x", x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        h, r2, h_out = x, x2, y  # R/HOUT unused (HAS_RES=False)
+    else:
+        _check_last_contiguous(op, "residual", residual)
+        r2 = _rows(op, "residual", residual)
+        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        h_out = h
+    if x2.shape[0] == 0 or hid == 0:
+        return y, h
+    block = triton.next_power_of_2(hid)
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, y, h_out,
+        x2.stride(0), r2.stride(0), weight.stride(0), hid, float(eps),
+        HAS_RES=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+    )
+    return y, h
+
+
+# ------------------------------------------------------------------ per-head RMSNorm + RoPE
+def rms_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+    """Plain-torch ``rms_norm_rope`` (same math and rounding points; no checks, no graph promise)."""
+    n = F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype).transpose(1, 2)  # [B,Hn,S,D]
+    rot = cos.shape[-1]
+    half = rot // 2
+    nr = n[..., :rot].float()
+    rotated = torch.cat((-nr[..., half:], nr[..., :half]), dim=-1)
+    out = (nr * cos + rotated * sin).to(x.dtype)
+    return torch.cat((out, n[..., rot:]), dim=-1)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then rotate-half RoPE on the first R dims, written as ``[B,Hn,S,D]``.
+
+    x ``[B,S,Hn,D]`` (any strides, last dim contiguous, e.g. ``qg[..., :D]``; bf16/fp16/fp32),
+    weight float32 ``[D]`` (effective weight), cos/sin float32 ``[S, R]`` with R even, 2 <= R <= D.
+    Per head vector: ``n = round(x * rsqrt(mean(x**2) + eps) * weight)`` (float32 math, rounded to
+    x's dtype as a norm module returns it); ``out[:R] = n[:R]*cos + cat(-n[R/2:R], n[:R/2])*sin`` in
+    float32, ``out[R:] = n[R:]``. Returns ``[B,Hn,S,D]`` contiguous in x's dtype.
+    """
+    op = "rms_norm_rope"
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{op}: expected x [B,S,Hn,D], got {got}")
+    _check_dtype(op, "x", x)
+    b_sz, s, hn, d = x.shape
+    _check_weight(op, weight, d, f"head_dim of x {tuple(x.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{op}: {name} must be float32 [S, R], got {got}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    rot = cos.shape[1]
+    if cos.shape[0] != s:
+        raise ValueError(f"{op}: cos/sin have {cos.shape[0]} rows but x {tuple(x.shape)} has S={s}; "
+                         "pass the tables made for these positions")
+    if rot % 2 or not 2 <= rot <= d:
+        raise ValueError(f"{op}: rotary dims R={rot} (cos/sin last dim) must be even and in [2, D={d}]")
+    _check_same(op, {"x": x, "weight": weight, "cos": cos, "sin": sin})
+    _require_triton(op, x)
+    _check_last_contiguous(op, "x", x)
+    out = torch.empty(b_sz, hn, s, d, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block = triton.next_power_of_2(d)
+    _rms_norm_rope_kernel[(b_sz * s * hn,)](
+        x, weight, cos, sin, out,
+        x.stride(0), x.stride(1), x.stride(2), weight.stride(0),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        hn, s, d, rot, float(eps),
+        BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out
+
+
+# ------------------------------------------------------------------ SwiGLU activation
+def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Plain-torch ``silu_mul``: ``round(round(silu(g)) * u)`` exactly as torch computes it in g's dtype."""
+    return F.silu(g) * u
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` in one launch. g, u ``[..., N]`` same shape and dtype, last dim contiguous.
+
+    Mirrors torch's rounding in g's dtype: ``out = round(round(silu(g)) * u)``, each step computed
+    in float32 (round = cast to g's dtype). Returns ``[..., N]`` contiguous in g's dtype.
+    """
+    op = "silu_mul"
+    if not isinstance(g, torch.Tensor) or not isinstance(u, torch.Tensor) or g.dim() < 1:
+        raise ValueError(f"{op}: g and u must be tensors [..., N]")
+    _check_dtype(op, "g", g)
+    if g.shape != u.shape or g.dtype != u.dtype:
+        raise ValueError(f"{op}: g ({tuple(g.shape)} {g.dtype}) and u ({tuple(u.shape)} {u.dtype}) "
+                         "must have the same shape and dtype")
+    _check_same(op, {"g": g, "u": u})
+    _require_triton(op, g)
+    _check_last_contiguous(op, "g", g)
+    _check_last_contiguous(op, "u", u)
+    g2, u2 = _rows(op, "g", g), _rows(op, "u", u)
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    n = g.shape[-1]
+    if out.numel() == 0:
+        return out
+    block = min(triton.next_power_of_2(n), _SILU_TILE)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
+        g2, u2, out, g2.stride(0), u2.stride(0), n, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+# ------------------------------------------------------------------ attention output gate
+def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Plain-torch ``sigmoid_gate``: ``o.transpose(1, 2).reshape(B, S, Hn*D) * torch.sigmoid(gate)``."""
+    b_sz, hn, s, d = o.shape
+    return o.transpose(1, 2).reshape(b_sz, s, hn * d) * torch.sigmoid(gate)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Attention output gate in one launch: ``[B,Hn,S,D]`` o times ``sigmoid(gate)`` -> ``[B,S,Hn*D]``.
+
+    o ``[B,Hn,S,D]`` and gate ``[B,S,Hn*D]`` of one dtype (bf16/fp16/fp32), any strides with a
+    contiguous last dim. ``out = round(o' * round(sigmoid(gate)))`` with o' = o transposed to
+    ``[B,S,Hn,D]`` and flattened, float32 math, round = cast to the dtype (torch's rounding).
+    Returns ``[B,S,Hn*D]`` contiguous.
+    """
+    op = "sigmoid_gate"
+    if not isinstance(o, torch.Tensor) or not isinstance(gate, torch.Tensor) or o.dim() != 4:
+        raise ValueError(f"{op}: expected o [B,Hn,S,D] and gate [B,S,Hn*D] tensors")
+    _check_dtype(op, "o", o)
+    b_sz, hn, s, d = o.shape
+    if gate.shape != (b_sz, s, hn * d) or gate.dtype != o.dtype:
+        raise ValueError(f"{op}: gate must be [B,S,Hn*D] = {(b_sz, s, hn * d)} in {o.dtype} for o "
+                         f"{tuple(o.shape)}, got {tuple(gate.shape)} {gate.dtype}")
+    _check_same(op, {"o": o, "gate": gate})
+    _require_triton(op, o)
+    _check_last_contiguous(op, "o", o)
+    _check_last_contiguous(op, "gate", gate)
+    out = torch.empty(b_sz, s, hn * d, dtype=o.dtype, device=o.device)
+    if out.numel() == 0:
+        return out
+    block = triton.next_power_of_2(d)
+    _sigmoid_gate_kernel[(b_sz * s * hn,)](
+        o, gate, out,
+        o.stride(0), o.stride(1), o.stride(2), gate.stride(0), gate.stride(1),
+        hn, s, d,
+        BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out
