@@ -57,12 +57,25 @@ def config_9b(tiny: bool = False) -> Qwen35Config:
 
 @torch.no_grad()
 def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0) -> Qwen35ForGeneration:
-    """Random weights in place on ``device``: small Linear weights, norms near their identity."""
+    """Random weights in place on ``device``: small Linear weights, norms near their identity.
+
+    The model is made *decisive* so that forced acceptance works: the embedding has unit-variance
+    entries, the projections back into the residual stream (``o_proj``, ``out_proj``,
+    ``down_proj``) are 1e4 times smaller than the others, and ``lm_head`` is a copy of the
+    embedding. The final hidden state is then the current token's embedding plus a small
+    perturbation, so greedy decoding repeats the last token with a logit margin of thousands that
+    no rounding difference between a 1-row and a 4-row forward can flip. Every weight is still
+    random and read in full at every step, so the timing is that of any 9B-shaped model.
+    """
     torch.manual_seed(seed)
     model = Qwen35TextModel(cfg, device=device, dtype=dtype)
     model.mtp = MTPHead(cfg, 1, device=device, dtype=dtype)
     for name, p in model.named_parameters():
-        if name.endswith("A_log"):
+        if name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, 1.0)
+        elif name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            p.normal_(0.0, 2e-6)
+        elif name.endswith("A_log"):
             p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(0.0, math.log(16.0)))
         elif name.endswith("dt_bias"):
             p.normal_(0.0, 0.1)
@@ -74,6 +87,8 @@ def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0) -> Qwen35ForGen
             p.normal_(0.0, 0.3)
         else:
             p.normal_(0.0, 0.02)
+    if cfg.lm_head:
+        model.lm_head.weight.copy_(model.embed_tokens.weight)
     return Qwen35ForGeneration(model).eval()
 
 
@@ -94,7 +109,12 @@ class _Enough(Exception):
     pass
 
 
-def run_one(model, prompt, *, max_length, tokens, attention, mtp, drafts=None):
+def _fused_arg(fused: bool, device):
+    """generate()'s ``fused``: required on the CPU dry run (Triton interpreter), else auto."""
+    return (True if device.type == "cpu" else "auto") if fused else False
+
+
+def run_one(model, prompt, *, max_length, tokens, attention, mtp, drafts=None, fused=True):
     """Generate ``tokens`` tokens (the cache sized for max_length); returns (token ids, stats, peak GB)."""
     seen = {}
 
@@ -110,11 +130,118 @@ def run_one(model, prompt, *, max_length, tokens, attention, mtp, drafts=None):
         torch.cuda.reset_peak_memory_stats()
     try:
         generate(model, prompt, do_sample=False, max_length=max_length, stop_tokens=[], mtp=mtp,
-                 attention=attention, callback=stop, **kw)
+                 attention=attention, callback=stop, fused=_fused_arg(fused, prompt.device), **kw)
     except _Enough:
         pass
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     return seen["tokens"][:tokens], seen["stats"], peak
+
+
+def _engine(model, prompt, *, attention: str, fused: bool, capacity: int, graphs: bool = True):
+    """A prefilled cache and a (graph) runner over it, as ``generate`` builds them."""
+    from qwen35_fast.engine.binding import bind
+    from qwen35_fast.engine.forward import Runner
+    from qwen35_fast.engine.fused import FusedPlan
+    from qwen35_fast.engine.graphs import GraphRunner
+    from qwen35_fast.patches.cache import ModelCache
+
+    binding = bind(model)
+    device, dtype, t = prompt.device, prompt.dtype, prompt.shape[1]
+    cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=True)
+    plan = None
+    if fused:
+        plan, why = FusedPlan.build(binding, device, dtype)
+        if plan is None:
+            raise ValueError(f"fused path unavailable: {why}")
+    runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
+    pos = torch.arange(t, device=device).expand(3, t)
+    with torch.no_grad():
+        runner.forward(prompt, pos, keep_rows=False)
+        cache.commit()
+        runner.mtp_forward(prompt, prompt, pos)
+        cache.mtp.commit()
+    return binding, cache, GraphRunner(runner) if graphs and device.type == "cuda" else runner
+
+
+@torch.no_grad()
+def step_times(model, prompt, *, attention: str, fused: bool, rows=(1, 4), iters: int = 200) -> dict:
+    """Median ms of one model step (forward of ``rows`` rows + logits, CUDA-graph replays, rows
+    discarded after each) and of one MTP draft step (1 row + logits), timed back to back with
+    CUDA events, no host sync between steps."""
+    binding, cache, runner = _engine(model, prompt, attention=attention, fused=fused,
+                                     capacity=prompt.shape[1] + 64)
+    t, device = prompt.shape[1], prompt.device
+    cuda = device.type == "cuda"
+
+    def timed(fn):
+        fn()  # capture
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t0)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        ev[0].record()
+        for i in range(iters):
+            fn()
+            ev[i + 1].record()
+        torch.cuda.synchronize()
+        return sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))[iters // 2]
+
+    out = {}
+    for r in rows:
+        x = prompt[:, :r].contiguous()
+        pos = torch.arange(t, t + r, device=device).expand(3, r)
+
+        def main_step(x=x, pos=pos):
+            hidden, _ = runner.forward(x, pos)
+            binding.logits(hidden)
+            cache.commit(0)
+
+        out[f"step_{r}_ms"] = timed(main_step)
+    h1, pos1 = prompt[:, :1].contiguous(), torch.arange(t, t + 1, device=device).expand(3, 1)
+
+    def draft_step():
+        binding.logits(runner.mtp_forward(h1, h1, pos1))
+        cache.mtp.commit(0)
+
+    out["draft_ms"] = timed(draft_step)
+    return out
+
+
+@torch.no_grad()
+def profile_steps(model, prompt, *, attention: str, fused: bool, steps: int = 5, top: int = 12) -> dict:
+    """Kernels of eager 1-row decode steps (torch profiler): launches and kernel time per step, and
+    the kernels that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    binding, cache, runner = _engine(model, prompt, attention=attention, fused=fused,
+                                     capacity=prompt.shape[1] + 64, graphs=False)
+    t, device = prompt.shape[1], prompt.device
+    x, pos = prompt[:, :1].contiguous(), torch.arange(t, t + 1, device=device).expand(3, 1)
+
+    def step():
+        hidden, _h = runner.forward(x, pos)
+        binding.logits(hidden)
+        cache.commit(0)
+
+    step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+        for _i in range(steps):
+            step()
+        sync()
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type.name == ("CUDA" if device.type == "cuda" else "CPU"):
+            k = kernels.setdefault(ev.name, [0, 0.0])
+            k[0] += 1
+            k[1] += ev.device_time if device.type == "cuda" else ev.cpu_time
+    launches = sum(c for c, _t in kernels.values()) / steps
+    total_us = sum(tt for _c, tt in kernels.values()) / steps
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"launches_per_step": launches, "kernel_us_per_step": total_us,
+            "top": [{"kernel": n[:90], "per_step": c / steps, "us_per_step": tt / steps} for n, (c, tt) in ranked]}
 
 
 def soak(model, cfg, device, dtype, n: int) -> dict:
@@ -164,12 +291,14 @@ def soak(model, cfg, device, dtype, n: int) -> dict:
 
 def markdown(runs: dict) -> str:
     """README table from a file of saved runs ({tag: run JSON})."""
-    lines = ["| run | attention | max_length | MTP | tok/s | ms/token | accepted | peak GB | floor / time |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | attention | fused | max_length | MTP | tok/s | ms/token | accepted | peak GB | floor / time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for tag, run in runs.items():
         for r in run["rows"]:
             if r["max_length"] and run["tokens"] == 2000:
-                lines.append(f"| {tag} | {r['attention']} | {r['max_length']} | {r['mode']} | {r['tok_s']:.1f} | "
+                lines.append(f"| {tag} | {r['attention']} | {r.get('fused', 'off')} | {r['max_length']} | "
+                             f"{r['mode']} | "
+                             f"{r['tok_s']:.1f} | "
                              f"{r['ms_per_token']:.2f} | {100 * r['acceptance']:.1f}% | {r['peak_gb']:.1f} | "
                              f"{100 * run['floor_ms'] / r['ms_per_token']:.0f}% |")
     return "\n".join(lines)
@@ -180,10 +309,14 @@ def main() -> None:
     ap.add_argument("--attention", nargs="+", default=["triton", "kitchen", "masked"])
     ap.add_argument("--max-lengths", nargs="+", type=int, default=list(MAX_LENGTHS))
     ap.add_argument("--modes", nargs="+", default=["off", "forced3", "mtp3"])
+    ap.add_argument("--fused", nargs="+", default=["on"], choices=["on", "off"],
+                    help="fused decode kernels on (default) and/or off (the torch path) for the e2e rows")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--json", default="decode_e2e.json")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
+    ap.add_argument("--steps", action="store_true", help="first time single steps: decode, verify (4 rows), draft")
+    ap.add_argument("--profile", action="store_true", help="first list the kernels of an eager decode step")
     ap.add_argument("--soak", type=int, default=0, help="then run this many soak generations")
     ap.add_argument("--report", metavar="JSON", help="print the README table of saved runs and exit")
     args = ap.parse_args()
@@ -206,34 +339,57 @@ def main() -> None:
     prompt = model.model.embed_tokens(ids).to(dtype)
     out = {"device": name, "torch": torch.__version__, "weight_bytes": weight_bytes, "copy_bw_Bps": bw,
            "floor_ms": floor_ms, "tokens": args.tokens, "prompt": args.prompt, "rows": []}
-    print(f"{'attention':>9} {'max_len':>7} {'mode':>7} {'tok/s':>7} {'ms/tok':>7} {'accept':>6} {'peakGB':>6}"
-          f" {'floor%':>6}")
+    attention0 = args.attention[0]
+    if args.profile:
+        out["profile"] = {}
+        for fused in args.fused:
+            prof = profile_steps(model, prompt, attention=attention0, fused=fused == "on")
+            out["profile"][fused] = prof
+            print(f"# eager decode step, fused {fused}: {prof['launches_per_step']:.0f} launches, "
+                  f"{prof['kernel_us_per_step']:.0f} us of kernels")
+            for k in prof["top"]:
+                print(f"#   {k['us_per_step']:8.1f} us {k['per_step']:5.0f}x  {k['kernel']}")
+    if args.steps:
+        out["steps"] = {}
+        for fused in args.fused:
+            st = step_times(model, prompt, attention=attention0, fused=fused == "on")
+            st["verify_over_decode"] = st["step_4_ms"] / st["step_1_ms"]
+            st["floor_over_decode"] = floor_ms / st["step_1_ms"]
+            out["steps"][fused] = st
+            print(f"# graph steps, fused {fused}: decode {st['step_1_ms']:.3f} ms "
+                  f"({100 * st['floor_over_decode']:.0f}% of floor), verify 4 rows {st['step_4_ms']:.3f} ms "
+                  f"({st['verify_over_decode']:.2f}x), "
+                  f"draft {st['draft_ms']:.3f} ms", flush=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"{'attention':>9} {'fused':>5} {'max_len':>7} {'mode':>7} {'tok/s':>7} {'ms/tok':>7} {'accept':>6} "
+          f"{'peakGB':>6} {'floor%':>6}")
     for attention in args.attention:
-        for max_length in args.max_lengths:
-            reference = None
-            for mode in args.modes:
-                mtp = "off" if mode == "off" else 3
-                if mode == "forced3" and reference is None:
-                    reference, _, _ = run_one(model, prompt, max_length=max_length, tokens=args.tokens,
-                                              attention=attention, mtp="off")
-                try:
-                    toks, st, peak = run_one(model, prompt, max_length=max_length, tokens=args.tokens,
-                                             attention=attention, mtp=mtp,
-                                             drafts=reference if mode == "forced3" else None)
-                except ValueError as exc:  # e.g. kitchen not installed
-                    print(f"{attention:>9} {max_length:>7} {mode:>7} skipped: {exc}")
-                    break
-                if mode == "off":
-                    reference = toks
-                ms = 1e3 * st.decode_s / max(1, st.tokens - 1)
-                row = {"attention": attention, "max_length": max_length, "mode": mode, "tok_s": st.tok_per_s,
-                       "ms_per_token": ms, "acceptance": st.acceptance_rate, "steps": st.steps,
-                       "peak_gb": peak, "same_tokens_as_off": toks == reference}
-                out["rows"].append(row)
-                print(f"{attention:>9} {max_length:>7} {mode:>7} {st.tok_per_s:>7.1f} {ms:>7.2f} "
-                      f"{100 * st.acceptance_rate:>5.0f}% {peak:>6.1f} {100 * floor_ms / ms:>5.0f}%"
-                      + ("" if row["same_tokens_as_off"] else "  TOKENS DIFFER FROM MTP OFF"), flush=True)
-                Path(args.json).write_text(json.dumps(out, indent=1))
+        for fused in args.fused:
+            for max_length in args.max_lengths:
+                reference = None
+                for mode in args.modes:
+                    mtp = "off" if mode == "off" else 3
+                    kw = {"attention": attention, "tokens": args.tokens, "max_length": max_length,
+                          "fused": fused == "on"}
+                    if mode == "forced3" and reference is None:
+                        reference, _, _ = run_one(model, prompt, mtp="off", **kw)
+                    try:
+                        toks, st, peak = run_one(model, prompt, mtp=mtp,
+                                                 drafts=reference if mode == "forced3" else None, **kw)
+                    except ValueError as exc:  # e.g. kitchen not installed
+                        print(f"{attention:>9} {fused:>5} {max_length:>7} {mode:>7} skipped: {exc}")
+                        break
+                    if mode == "off":
+                        reference = toks
+                    ms = 1e3 * st.decode_s / max(1, st.tokens - 1)
+                    row = {"attention": attention, "fused": fused, "max_length": max_length, "mode": mode,
+                           "tok_s": st.tok_per_s, "ms_per_token": ms, "acceptance": st.acceptance_rate,
+                           "steps": st.steps, "peak_gb": peak, "same_tokens_as_off": toks == reference}
+                    out["rows"].append(row)
+                    print(f"{attention:>9} {fused:>5} {max_length:>7} {mode:>7} {st.tok_per_s:>7.1f} {ms:>7.2f} "
+                          f"{100 * st.acceptance_rate:>5.0f}% {peak:>6.1f} {100 * floor_ms / ms:>5.0f}%"
+                          + ("" if row["same_tokens_as_off"] else "  TOKENS DIFFER FROM MTP OFF"), flush=True)
+                    Path(args.json).write_text(json.dumps(out, indent=1))
     if args.soak:
         out["soak"] = soak(model, cfg, device, dtype, args.soak)
         print("soak:", out["soak"])

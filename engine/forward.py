@@ -17,6 +17,7 @@ from ..kernels.api import MAX_ROWS
 from ..patches.cache import DeltaNetState, KVCache, ModelCache
 from .binding import Qwen35Binding
 from .deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
+from .fused import FusedPlan
 from .rope import Rope, apply_rope
 
 _KERNEL_HEAD_DIMS = (64, 128, 256)
@@ -45,8 +46,9 @@ class Runner:
     """Runs the bound model on a cache. One per generation (it caches per-device constants)."""
 
     def __init__(self, binding: Qwen35Binding, cache: ModelCache, *, dtype: torch.dtype, device,
-                 attention: str = "auto"):
+                 attention: str = "auto", fused: FusedPlan | None = None):
         self.b = binding
+        self.fused = fused  # S <= 8 rows run through the fused kernels when given (FusedPlan.build)
         self.cfg = binding.config
         self.cache = cache
         self.dtype = dtype
@@ -70,6 +72,8 @@ class Runner:
         than S rows); without it long inputs use the chunked recurrence.
         """
         cos, sin = self.rope.tables(pos)
+        if self.fused is not None and x.shape[1] <= MAX_ROWS:
+            return self._forward_fused(x, cos, sin)
         for i, layer in enumerate(self.b.layers):
             state = self.cache.layers[i]
             xn = layer.input_layernorm(x)
@@ -81,6 +85,39 @@ class Runner:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.b.transformer.norm(x), x
 
+    def _forward_fused(self, x: torch.Tensor, cos, sin):
+        """``forward`` for S <= 8 rows through the fused kernels (same contract, rows always kept)."""
+        plan, cfg = self.fused, self.cfg
+        b, s, _ = x.shape
+        deltas = self.cache.delta_states()
+        # Every DeltaNet layer's per-row states and conv window, staged together for one commit copy.
+        states = torch.empty(len(deltas), s, *deltas[0].recurrent.shape, dtype=torch.float32, device=x.device)
+        conv = deltas[0].conv
+        windows = torch.empty(len(deltas), b, conv.shape[1], conv.shape[2] + s, dtype=conv.dtype, device=x.device)
+        j, mixed = 0, None
+        for i, layer in enumerate(self.b.layers):
+            state = self.cache.layers[i]
+            xn, x = plan.norm(f"layers.{i}.input_layernorm", x, mixed)
+            if isinstance(state, DeltaNetState):
+                neg_a, dt_bias = self._consts[i]
+                mixed = plan.deltanet(i, layer.linear_attn, xn, state, neg_a, dt_bias, cfg.linear_num_key_heads,
+                                      states[j], windows[j])
+                j += 1
+            else:
+                mixed = self._attention_fused(f"layers.{i}.self_attn", layer.self_attn, xn, state, cos, sin)
+            xn, x = plan.norm(f"layers.{i}.post_attention_layernorm", x, mixed)
+            mixed = plan.mlp(i, xn)
+        self.cache.stage_group(states, windows, s)
+        return plan.norm("norm", x, mixed)
+
+    def _attention_fused(self, prefix: str, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v, gate = self.fused.qk(prefix, attn, xn, cos, sin, cfg.head_dim, cfg.num_attention_heads,
+                                      cfg.num_key_value_heads)
+        lengths = kv.write(k, v)
+        o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=self.attention)
+        return attn.o_proj(self.fused.gate(o, gate))
+
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Stage S rows of the MTP head in ``cache.mtp``: hidden, emb ``[B,S,H]`` -> normed ``[B,S,H]``.
 
@@ -89,6 +126,16 @@ class Runner:
         """
         head = self.b.mtp
         cos, sin = self.rope.tables(pos)
+        if self.fused is not None and hidden.shape[1] <= MAX_ROWS:
+            plan = self.fused
+            e, _ = plan.norm("mtp.pre_fc_norm_embedding", emb)
+            h, _ = plan.norm("mtp.pre_fc_norm_hidden", hidden)
+            x = head.fc(torch.cat([e, h], dim=-1))
+            layer = head.layers[0]
+            xn, _ = plan.norm("mtp.layers.0.input_layernorm", x)
+            mixed = self._attention_fused("mtp.layers.0.self_attn", layer.self_attn, xn, self.cache.mtp, cos, sin)
+            xn, x = plan.norm("mtp.layers.0.post_attention_layernorm", x, mixed)
+            return plan.norm("mtp.norm", x, plan.mlp("mtp", xn))[0]
         x = head.fc(torch.cat([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)], dim=-1))
         layer = head.layers[0]
         x = x + self._attention(layer.self_attn, layer.input_layernorm(x), self.cache.mtp, cos, sin)

@@ -38,6 +38,7 @@ from ..patches.cache import ModelCache
 from .binding import Qwen35Binding, bind
 from .errors import Qwen35Error
 from .forward import Runner
+from .fused import FusedPlan
 from .graphs import GraphRunner, graph_blocker, say_once
 from .rope import normalize_positions
 from .sampling import SamplingParams, sample, speculative_accept, target_candidates, target_probs
@@ -224,7 +225,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
              execution_dtype: torch.dtype | None = None,
              callback: Callable[[list[int], list[int], GenerationStats], None] | None = None,
              mtp_draft: str | Callable[[int], int] = "argmax", cache_fill: float | None = None,
-             cuda_graphs: bool | str = "auto") -> GenerationResult:
+             cuda_graphs: bool | str = "auto", fused: bool | str = "auto") -> GenerationResult:
     """Generate up to ``max_length`` tokens after a prompt given as embeddings.
 
     embeds ``[T,H]`` or ``[1,T,H]`` float (batch 1), on the device to run on. ``position_ids``:
@@ -238,6 +239,9 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     ``attention``: a ``kernels.decode_attention`` backend. ``cuda_graphs``: "auto" (replay CUDA
     graphs for decode, draft and verify steps when the device, backend and weight placement allow;
     otherwise eager, with the reason logged once), True (require them) or False.
+    ``fused``: "auto" (decode, draft and verify rows run through the fused Triton kernels on CUDA
+    when the model's modules allow; otherwise the torch path, with the reason logged once), True
+    (require them; on the CPU only under ``TRITON_INTERPRET=1``, for tests) or False.
     ``callback(all_tokens, new_tokens, stats)`` runs after every accepted step; if it
     raises, generation stops and the exception propagates (the model is untouched and reusable).
     ``cache_fill`` pre-fills every K/V slot (tests: NaN shows unfilled slots are never read).
@@ -250,6 +254,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
         raise Qwen35Error(f"mtp_draft must be 'argmax' or 'sample', got {mtp_draft!r}")
     if cuda_graphs not in ("auto", True, False):
         raise Qwen35Error(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+    if fused not in ("auto", True, False):
+        raise Qwen35Error(f"fused must be 'auto', True or False, got {fused!r}")
     params = SamplingParams(do_sample=bool(do_sample), temperature=float(temperature), top_k=int(top_k),
                             top_p=float(top_p), min_p=float(min_p), repetition_penalty=float(repetition_penalty),
                             presence_penalty=float(presence_penalty or 0.0))
@@ -270,7 +276,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     capacity = prompt_len + max_length + depth + 1
     cache = ModelCache(cfg, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=depth > 0,
                        fill=cache_fill)
-    runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention)
+    runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention,
+                    fused=_fused_plan(fused, binding, device, dtype))
     if cuda_graphs:
         blocker = graph_blocker(binding, torch.device(device), dtype, attention)
         if blocker is None:
@@ -284,6 +291,18 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     stats = GenerationStats(mtp_depth=depth, attention_backend=backend)
     with torch.no_grad(), binding.holding_output_weight():
         return _run(binding, runner, dec, stats, embeds.to(dtype), positions, max_length, depth, callback)
+
+
+def _fused_plan(fused, binding, device, dtype) -> FusedPlan | None:
+    """The fused-kernel plan for decode rows, or None (reason logged once on CUDA; error if required)."""
+    if fused is False or (fused == "auto" and torch.device(device).type != "cuda"):
+        return None
+    plan, why = FusedPlan.build(binding, device, dtype)
+    if plan is None:
+        if fused is True:
+            raise Qwen35Error(f"fused=True but {why}; use fused='auto' or False")
+        say_once(f"Qwen3.5 decode runs without the fused kernels (slower): {why}")
+    return plan
 
 
 def _backend_name(attention: str, cfg, dtype, device) -> str:

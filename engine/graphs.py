@@ -58,6 +58,19 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     return None
 
 
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture. A new stream per capture would give cuBLAS a
+    new workspace each time (it keeps one per stream), which grew allocated VRAM over the first
+    generations until torch's stream pool wrapped around."""
+    dev = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if dev not in _STREAMS:
+        _STREAMS[dev] = torch.cuda.Stream(dev)
+    return _STREAMS[dev]
+
+
 class _Graph:
     """One captured forward with static inputs/outputs and the host state it leaves behind."""
 
@@ -114,11 +127,13 @@ class GraphRunner:
                 out.append((st._states, st._window, st._rows))
             else:
                 out.append(st.staged)
-        return out
+        return out, (self.cache.group if kind == "main" else None)
 
     def _unstage(self, kind: str, ran: bool) -> None:
         """Drop the rows a warm-up (``ran``: it moved the device lengths) or a capture (recorded
         only: the device lengths did not move) staged; committed state is untouched."""
+        if kind == "main":
+            self.cache.group = None
         for st in self._states(kind):
             if isinstance(st, DeltaNetState):
                 st._states, st._window, st._rows = None, None, 0
@@ -128,6 +143,9 @@ class GraphRunner:
                 st.staged = 0
 
     def _restage(self, kind: str, staged) -> None:
+        staged, group = staged
+        if kind == "main":
+            self.cache.group = group
         for st, saved in zip(self._states(kind), staged):
             if isinstance(st, DeltaNetState):
                 st._states, st._window, st._rows = saved
@@ -136,7 +154,7 @@ class GraphRunner:
 
     def _capture(self, kind: str, inputs) -> _Graph:
         static = [t.clone() for t in inputs]
-        stream = torch.cuda.Stream(self.device)
+        stream = _capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._eager(kind, static)  # compiles kernels, allocates lazily built constants

@@ -108,7 +108,7 @@ def _silu_mul_kernel(G, U, OUT, sg, su, n_cols, BLOCK: tl.constexpr):
 @triton.jit
 def _sigmoid_gate_kernel(
     ATT, GATE, OUT,
-    so_b, so_h, so_s, sg_b, sg_s,
+    so_b, so_h, so_s, sg_b, sg_s, sg_h,
     n_heads, n_rows, d,
     BLOCK: tl.constexpr,
 ):
@@ -120,7 +120,7 @@ def _sigmoid_gate_kernel(
     ok = cols < d
     o = tl.load(ATT + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + s.to(tl.int64) * so_s + cols,
                 mask=ok, other=0.0).to(tl.float32)
-    g = tl.load(GATE + b.to(tl.int64) * sg_b + s.to(tl.int64) * sg_s + h * d + cols,
+    g = tl.load(GATE + b.to(tl.int64) * sg_b + s.to(tl.int64) * sg_s + h * sg_h + cols,
                 mask=ok, other=0.0).to(tl.float32)
     sig = (1.0 / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # rounding point: sigmoid
     dst = OUT + ((b.to(tl.int64) * n_rows + s) * n_heads + h) * d + cols
@@ -346,9 +346,10 @@ def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Attention output gate in one launch: ``[B,Hn,S,D]`` o times ``sigmoid(gate)`` -> ``[B,S,Hn*D]``.
 
-    o ``[B,Hn,S,D]`` and gate ``[B,S,Hn*D]`` of one dtype (bf16/fp16/fp32), any strides with a
-    contiguous last dim. ``out = round(o' * round(sigmoid(gate)))`` with o' = o transposed to
-    ``[B,S,Hn,D]`` and flattened, float32 math, round = cast to the dtype (torch's rounding).
+    o ``[B,Hn,S,D]`` and gate ``[B,S,Hn*D]`` or ``[B,S,Hn,D]`` (e.g. the gate half of a q projection
+    viewed per head) of one dtype (bf16/fp16/fp32), any strides with a contiguous last dim.
+    ``out = round(o' * round(sigmoid(gate)))`` with o' = o transposed to ``[B,S,Hn,D]`` and
+    flattened, float32 math, round = cast to the dtype (torch's rounding).
     Returns ``[B,S,Hn*D]`` contiguous.
     """
     op = "sigmoid_gate"
@@ -356,20 +357,21 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{op}: expected o [B,Hn,S,D] and gate [B,S,Hn*D] tensors")
     _check_dtype(op, "o", o)
     b_sz, hn, s, d = o.shape
-    if gate.shape != (b_sz, s, hn * d) or gate.dtype != o.dtype:
-        raise ValueError(f"{op}: gate must be [B,S,Hn*D] = {(b_sz, s, hn * d)} in {o.dtype} for o "
+    if gate.shape not in ((b_sz, s, hn * d), (b_sz, s, hn, d)) or gate.dtype != o.dtype:
+        raise ValueError(f"{op}: gate must be [B,S,Hn*D] = {(b_sz, s, hn * d)} or [B,S,Hn,D] in {o.dtype} for o "
                          f"{tuple(o.shape)}, got {tuple(gate.shape)} {gate.dtype}")
     _check_same(op, {"o": o, "gate": gate})
     _require_triton(op, o)
     _check_last_contiguous(op, "o", o)
     _check_last_contiguous(op, "gate", gate)
+    head_stride = gate.stride(2) if gate.dim() == 4 else d
     out = torch.empty(b_sz, s, hn * d, dtype=o.dtype, device=o.device)
     if out.numel() == 0:
         return out
     block = triton.next_power_of_2(d)
     _sigmoid_gate_kernel[(b_sz * s * hn,)](
         o, gate, out,
-        o.stride(0), o.stride(1), o.stride(2), gate.stride(0), gate.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), gate.stride(0), gate.stride(1), head_stride,
         hn, s, d,
         BLOCK=block, num_warps=_num_warps(block),
     )

@@ -97,10 +97,12 @@ class DeltaNetState:
     conv inputs, ``[B,conv_dim,K-1]`` in the execution dtype)."""
 
     def __init__(self, batch: int, value_heads: int, key_head_dim: int, value_head_dim: int, conv_dim: int,
-                 kernel: int, *, dtype: torch.dtype, device):
-        self.recurrent = torch.zeros(batch, value_heads, key_head_dim, value_head_dim, dtype=torch.float32,
-                                     device=device)
-        self.conv = torch.zeros(batch, conv_dim, kernel - 1, dtype=dtype, device=device)
+                 kernel: int, *, dtype: torch.dtype, device, recurrent: torch.Tensor | None = None,
+                 conv: torch.Tensor | None = None):
+        # ``recurrent`` / ``conv`` may be given (zeroed views of a ModelCache's shared buffers).
+        self.recurrent = recurrent if recurrent is not None else torch.zeros(
+            batch, value_heads, key_head_dim, value_head_dim, dtype=torch.float32, device=device)
+        self.conv = conv if conv is not None else torch.zeros(batch, conv_dim, kernel - 1, dtype=dtype, device=device)
         self.kernel = kernel
         self._states: list[torch.Tensor] | None = None
         self._window: torch.Tensor | None = None
@@ -170,18 +172,36 @@ class ModelCache:
         def kv():
             return KVCache(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype, device=device, fill=fill)
 
+        conv_dim = (2 * c.linear_num_key_heads * c.linear_key_head_dim
+                    + c.linear_num_value_heads * c.linear_value_head_dim)
+        n_delta = sum(kind != "full_attention" for kind in c.layer_types)
+        self.kernel = c.conv_kernel_size
+        # All DeltaNet layers' states in two shared buffers, so that committing a fused forward's
+        # staged rows is one copy each (``stage_group``), not two per layer.
+        self.recurrent = torch.zeros(n_delta, batch, c.linear_num_value_heads, c.linear_key_head_dim,
+                                     c.linear_value_head_dim, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(n_delta, batch, conv_dim, c.conv_kernel_size - 1, dtype=dtype, device=device)
         self.layers: list[KVCache | DeltaNetState] = []
+        j = 0
         for kind in c.layer_types:
             if kind == "full_attention":
                 self.layers.append(kv())
             else:
                 self.layers.append(DeltaNetState(
-                    batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                    2 * c.linear_num_key_heads * c.linear_key_head_dim
-                    + c.linear_num_value_heads * c.linear_value_head_dim,
-                    c.conv_kernel_size, dtype=dtype, device=device))
+                    batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, conv_dim,
+                    c.conv_kernel_size, dtype=dtype, device=device, recurrent=self.recurrent[j], conv=self.conv[j]))
+                j += 1
         self.mtp = kv() if mtp else None
         self._first_kv = next(x for x in self.layers if isinstance(x, KVCache))
+        self.group: tuple | None = None  # (states, windows, rows, per-layer views) of stage_group
+
+    def stage_group(self, states: torch.Tensor, windows: torch.Tensor, rows: int) -> None:
+        """Stage ``rows`` rows of every DeltaNet layer at once: ``states`` float32
+        ``[n_delta,S,B,Hv,Dk,Dv]`` (state after each row), ``windows`` ``[n_delta,B,C,K-1+S]``."""
+        deltas = self.delta_states()
+        for j, st in enumerate(deltas):
+            st.stage(states[j], windows[j], rows)
+        self.group = (states, windows, rows, [st._states for st in deltas])
 
     @property
     def length(self) -> int:
@@ -190,8 +210,21 @@ class ModelCache:
 
     def commit(self, n: int | None = None) -> None:
         """Keep the first n staged rows in every main layer (default all)."""
+        group, self.group = self.group, None
+        deltas = self.delta_states()
+        if group is not None and all(st._states is view for st, view in zip(deltas, group[3])):
+            states, windows, rows, _ = group
+            n = rows if n is None else n
+            if not 0 <= n <= rows:
+                raise Qwen35Error(f"DeltaNetState.commit: cannot keep {n} of {rows} staged rows")
+            if n:  # one copy for all layers' states and one for their conv windows
+                self.recurrent.copy_(states[:, n - 1])
+                self.conv.copy_(windows[..., n:n + self.kernel - 1])
+            for st in deltas:
+                st._states, st._window, st._rows = None, None, 0
         for layer in self.layers:
-            layer.commit(n)
+            if isinstance(layer, KVCache) or layer.staged:
+                layer.commit(n)
 
     def delta_states(self) -> list[DeltaNetState]:
         return [x for x in self.layers if isinstance(x, DeltaNetState)]

@@ -81,3 +81,23 @@ def test_graph_interrupt_then_reuse(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         generate(model, prompt, do_sample=False, max_length=30, stop_tokens=[], mtp=2, callback=stop)
     assert generate(model, prompt, do_sample=False, max_length=30, stop_tokens=[], mtp=2).tokens == first.tokens
+
+
+@gpu
+def test_fused_path_equals_torch_path_gpu(tmp_path):
+    """float32 on the GPU: the fused kernels give the torch path's tokens, MTP off and on, with and
+    without graphs; fused='auto' picks them on CUDA."""
+    seed = random.randrange(1000)
+    model, d = _model(tmp_path, seed, "cuda")
+    prompt = torch.randn(1, 17, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    from qwen35_fast.engine.fused import FusedPlan
+
+    assert FusedPlan.build(bind(model), "cuda", torch.float32)[0] is not None
+    for mtp in ("off", 3):
+        kw = dict(do_sample=False, max_length=40, stop_tokens=[], mtp=mtp)
+        plain = generate(model, prompt, fused=False, cuda_graphs=False, **kw)
+        for graphs in (False, True):
+            fused = generate(model, prompt, fused=True, cuda_graphs=graphs, **kw)
+            assert fused.tokens == plain.tokens, (mtp, graphs, seed)
+            if mtp != "off":
+                assert fused.stats.accepted == plain.stats.accepted

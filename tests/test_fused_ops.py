@@ -246,13 +246,16 @@ def test_sigmoid_gate(rng, shape, dtype, strided):
     assert_matches(out, fo.sigmoid_gate_torch(o, gate).double(), TORCH_TOL[dtype], "vs torch")
 
 
-def test_sigmoid_gate_from_qg_copy(rng):
-    """The engine's real gate: ``qg[..., D:].reshape(B, S, Hn*D)`` of the fused projection."""
+def test_sigmoid_gate_from_qg_view(rng):
+    """The engine's real gate: the per-head view ``qg[..., D:]`` ``[B,S,Hn,D]`` of the q projection
+    (head stride 2D, no copy), and its flattened copy."""
     b_sz, s, hn, d = 1, 3, 4, 80
     qg = randn(rng, b_sz, s, hn, 2 * d)
-    gate = qg[..., d:].reshape(b_sz, s, hn * d)
     o = randn(rng, b_sz, hn, s, d)
-    assert_matches(fo.sigmoid_gate(o, gate), oracle_sigmoid_gate(o, gate), TOL[torch.float32])
+    flat = qg[..., d:].reshape(b_sz, s, hn * d)
+    want = oracle_sigmoid_gate(o, flat)
+    assert_matches(fo.sigmoid_gate(o, qg[..., d:]), want, TOL[torch.float32])
+    assert_matches(fo.sigmoid_gate(o, flat), want, TOL[torch.float32])
 
 
 # ---------------------------------------------------------------- rounding points

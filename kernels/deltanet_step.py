@@ -1,0 +1,197 @@
+"""One fused launch for the decode/verify rows of a Gated DeltaNet layer (Triton).
+
+Everything between the layer's input projections and its ``out_proj`` runs in one program per
+(batch, value head): the causal depthwise conv over ``[conv state | new rows]`` with SiLU, the L2
+norm of q and k (q scaled by ``Dk^-0.5``), the gates ``g = -exp(A_log) * softplus(a + dt_bias)`` and
+``beta = sigmoid(b)``, the gated delta rule for each of the S rows (the ``[Dk, Dv]`` float32 state
+stays in registers; the state after every row is written out so a partly accepted MTP verify can
+keep any prefix), and the gated RMSNorm ``rms_norm(o) * w * silu(z)`` of the output. The conv
+window (old state followed by the new rows) is written out too, so the caller can commit any
+number of rows. The unfused torch path (``engine/deltanet.py`` + the layer's modules) computes the
+same function; rounding points follow it: conv output and SiLU are rounded to the execution dtype,
+as is ``o`` before the norm and the normalised ``o`` before the gate.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softplus(x):
+    # torch.nn.functional.softplus (beta 1, threshold 20)
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(QKV, CIN, CW, b, t: tl.constexpr, ch, sx_b, sx_s, sc_b, sc_c, K: tl.constexpr, DT: tl.constexpr):
+    """SiLU(conv) at row t for channels ``ch``: window column u < K-1 is the old conv state, else row u-(K-1)."""
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(CW + ch * K + j).to(tl.float32)
+        if t + j < K - 1:
+            x = tl.load(CIN + b * sc_b + ch * sc_c + (t + j)).to(tl.float32)
+        else:
+            x = tl.load(QKV + b * sx_b + (t + j - (K - 1)) * sx_s + ch).to(tl.float32)
+        acc += w * x
+    acc = _round(acc, DT)
+    return _round(acc * tl.sigmoid(acc), DT)
+
+
+@triton.jit
+def _step_kernel(
+    QKV, Z, A, BETA, CIN, CW, NEG_A, DT_BIAS, STATE, NW, OUT, STATES, WIN,
+    sx_b, sx_s, sz_b, sz_s, sa_b, sa_s, sb_b, sb_s, sc_b, sc_c, ss_b, ss_h,
+    so_b, so_s, st_t, st_b, st_h, sw_b, sw_c,
+    eps, q_scale,
+    HV: tl.constexpr, REP: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    S: tl.constexpr, K: tl.constexpr, DT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HV
+    h = pid % HV
+    kh = h // REP
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.arange(0, DV)
+    q_ch = kh * DK + offs_k
+    k_ch = KEY_DIM + kh * DK + offs_k
+    v_ch = 2 * KEY_DIM + h * DV + offs_v
+
+    state = tl.load(STATE + b * ss_b + h * ss_h + offs_k[:, None] * DV + offs_v[None, :])
+    neg_a = tl.load(NEG_A + h)
+    dt_bias = tl.load(DT_BIAS + h)
+    nw = tl.load(NW + offs_v)
+
+    # Conv window out: old state then the new rows (q/k channels written by the first value head of
+    # each key head, v channels by every head).
+    first = (offs_k + (h % REP) * DK) < DK  # all true for the first value head of the key head
+    for u in tl.static_range(K - 1 + S):
+        if u < K - 1:
+            qv = tl.load(CIN + b * sc_b + q_ch * sc_c + u)
+            kv = tl.load(CIN + b * sc_b + k_ch * sc_c + u)
+            vv = tl.load(CIN + b * sc_b + v_ch * sc_c + u)
+        else:
+            qv = tl.load(QKV + b * sx_b + (u - (K - 1)) * sx_s + q_ch)
+            kv = tl.load(QKV + b * sx_b + (u - (K - 1)) * sx_s + k_ch)
+            vv = tl.load(QKV + b * sx_b + (u - (K - 1)) * sx_s + v_ch)
+        tl.store(WIN + b * sw_b + q_ch * sw_c + u, qv, mask=first)
+        tl.store(WIN + b * sw_b + k_ch * sw_c + u, kv, mask=first)
+        tl.store(WIN + b * sw_b + v_ch * sw_c + u, vv)
+
+    for t in tl.static_range(S):
+        q = _conv_silu(QKV, CIN, CW, b, t, q_ch, sx_b, sx_s, sc_b, sc_c, K, DT)
+        k = _conv_silu(QKV, CIN, CW, b, t, k_ch, sx_b, sx_s, sc_b, sc_c, K, DT)
+        v = _conv_silu(QKV, CIN, CW, b, t, v_ch, sx_b, sx_s, sc_b, sc_c, K, DT)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        a_in = tl.load(A + b * sa_b + t * sa_s + h).to(tl.float32)
+        b_in = tl.load(BETA + b * sb_b + t * sb_s + h).to(tl.float32)
+        decay = tl.exp(neg_a * _softplus(a_in + dt_bias))
+        beta = tl.sigmoid(b_in)
+
+        state = state * decay
+        mem = tl.sum(k[:, None] * state, axis=0)  # [DV]
+        delta = (v - mem) * beta
+        state = state + k[:, None] * delta[None, :]
+        o = tl.sum(q[:, None] * state, axis=0)  # [DV]
+        tl.store(STATES + t * st_t + b * st_b + h * st_h + offs_k[:, None] * DV + offs_v[None, :], state)
+
+        o = _round(o, DT)
+        n = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps) * nw, DT)
+        z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs_v).to(tl.float32)
+        y = n * (z * tl.sigmoid(z))
+        tl.store(OUT + b * so_b + t * so_s + h * DV + offs_v, y.to(DT))
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def step_reason(qkv: torch.Tensor, key_head_dim: int, value_head_dim: int) -> str | None:
+    """None when ``gated_delta_step`` supports these inputs, else why not (one line)."""
+    if qkv.dtype not in _TL_DTYPES:
+        return f"dtype {qkv.dtype} (float32, float16 or bfloat16 only)"
+    if not (_pow2(key_head_dim) and _pow2(value_head_dim)):
+        return f"head dims {key_head_dim}/{value_head_dim} are not powers of two"
+    if qkv.dim() != 3 or not 1 <= qkv.shape[1] <= 16:
+        return f"qkv of shape {tuple(qkv.shape)} (expected [B, S<=16, conv_dim])"
+    return None
+
+
+def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     conv_state: torch.Tensor, conv_weight: torch.Tensor, neg_a: torch.Tensor,
+                     dt_bias: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
+                     key_heads: int, states_out: torch.Tensor | None = None,
+                     window_out: torch.Tensor | None = None):
+    """Fused Gated DeltaNet rows (see the module docstring).
+
+    qkv ``[B,S,2*Hk*Dk+Hv*Dv]`` (in_proj_qkv output; last dim contiguous), z ``[B,S,Hv*Dv]``, a, b
+    ``[B,S,Hv]`` (in_proj_a / in_proj_b outputs), all in the execution dtype; conv_state
+    ``[B,C,K-1]`` and conv_weight ``[C,K]`` in that dtype; neg_a (``-exp(A_log)``), dt_bias float32
+    ``[Hv]``; state float32 ``[B,Hv,Dk,Dv]`` contiguous (read only); norm_weight float32 ``[Dv]``
+    (the gated norm's effective weight). ``key_heads`` = Hk.
+
+    Returns ``(out [B,S,Hv*Dv] dtype, states [S,B,Hv,Dk,Dv] float32 (state after each row),
+    window [B,C,K-1+S] dtype (old conv state then the S new rows))``; ``states_out`` /
+    ``window_out`` may be given (contiguous, those shapes) to write into.
+    """
+    bsz, s, c = qkv.shape
+    hv = a.shape[-1]
+    dk, dv = state.shape[-2], state.shape[-1]
+    kernel = conv_weight.shape[-1]
+    key_dim = key_heads * dk
+    why = step_reason(qkv, dk, dv)
+    if why is not None:
+        raise ValueError(f"gated_delta_step: unsupported input: {why}; use the torch path (engine/deltanet.py)")
+    if hv % key_heads or c != 2 * key_dim + hv * dv:
+        raise ValueError(f"gated_delta_step: qkv width {c} != 2*{key_heads}*{dk} + {hv}*{dv}, or value heads "
+                         f"{hv} not a multiple of key heads {key_heads}")
+    if tuple(state.shape) != (bsz, hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"gated_delta_step: state must be contiguous float32 {(bsz, hv, dk, dv)}, got "
+                         f"{tuple(state.shape)} {state.dtype}")
+    if tuple(conv_state.shape) != (bsz, c, kernel - 1) or tuple(conv_weight.shape) != (c, kernel):
+        raise ValueError(f"gated_delta_step: conv_state {tuple(conv_state.shape)} / conv_weight "
+                         f"{tuple(conv_weight.shape)} do not match [B,{c},K-1] / [{c},K]")
+    if tuple(z.shape) != (bsz, s, hv * dv) or tuple(a.shape) != (bsz, s, hv) or tuple(b.shape) != (bsz, s, hv):
+        raise ValueError(f"gated_delta_step: z {tuple(z.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} do not "
+                         f"match B={bsz}, S={s}, Hv={hv}, Dv={dv}")
+    if norm_weight.numel() != dv or neg_a.numel() != hv or dt_bias.numel() != hv:
+        raise ValueError("gated_delta_step: norm_weight must have Dv entries, neg_a and dt_bias Hv")
+    for name, t in (("qkv", qkv), ("z", z), ("a", a), ("b", b)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"gated_delta_step: {name} needs a contiguous last dim")
+    conv_weight = conv_weight.contiguous()
+    if conv_state.stride(-1) != 1:
+        conv_state = conv_state.contiguous()
+    dt = qkv.dtype
+    out = torch.empty(bsz, s, hv * dv, dtype=dt, device=qkv.device)
+    if states_out is None:
+        states_out = torch.empty(s, bsz, hv, dk, dv, dtype=torch.float32, device=qkv.device)
+    if window_out is None:
+        window_out = torch.empty(bsz, c, kernel - 1 + s, dtype=dt, device=qkv.device)
+    if tuple(states_out.shape) != (s, bsz, hv, dk, dv) or not states_out.is_contiguous():
+        raise ValueError(f"gated_delta_step: states_out must be contiguous {(s, bsz, hv, dk, dv)}")
+    if tuple(window_out.shape) != (bsz, c, kernel - 1 + s) or window_out.stride(-1) != 1:
+        raise ValueError(f"gated_delta_step: window_out must be {(bsz, c, kernel - 1 + s)} with a contiguous last dim")
+    warps = 8 if dk * dv >= 128 * 128 else 4
+    _step_kernel[(bsz * hv,)](
+        qkv, z, a, b, conv_state, conv_weight, neg_a, dt_bias, state, norm_weight, out, states_out, window_out,
+        qkv.stride(0), qkv.stride(1), z.stride(0), z.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1),
+        out.stride(0), out.stride(1), states_out.stride(0), states_out.stride(1), states_out.stride(2),
+        window_out.stride(0), window_out.stride(1),
+        float(eps), dk ** -0.5,
+        HV=hv, REP=hv // key_heads, KEY_DIM=key_dim, DK=dk, DV=dv, S=s, K=kernel, DT=_TL_DTYPES[dt],
+        num_warps=warps,
+    )
+    return out, states_out, window_out

@@ -1,0 +1,119 @@
+"""The fused decode path (Triton kernels, through the interpreter on CPU) against the torch path:
+same hidden states for 1 and 4 rows, same states after a partial commit, same greedy tokens with
+and without MTP; and the plan refuses modules it does not know, naming them."""
+
+import random
+
+import pytest
+import torch
+from qwen35_fast.engine import bind, generate
+from qwen35_fast.engine.errors import Qwen35Error
+from qwen35_fast.engine.forward import Runner
+from qwen35_fast.engine.fused import FusedPlan
+from qwen35_fast.patches.cache import DeltaNetState, ModelCache
+
+from tests.oracles.tiny import add_mtp, engine_model, make_tiny
+
+# The CPU runs the kernels through the Triton interpreter; with CUDA present that is not set up, and
+# tests/test_engine_graphs.py compares the two paths on the GPU instead.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests")
+
+
+@pytest.fixture
+def model(tmp_path):
+    seed = random.randrange(10_000)
+    print(f"model seed={seed}")
+    sd, d = make_tiny(seed, strength=0.3, vocab_size=64, hidden_size=64, num_hidden_layers=4)
+    sd = add_mtp(sd, d, seed + 1)
+    return engine_model(sd, tmp_path), d
+
+
+def _runners(model, prompt):
+    """Two runners (torch path, fused path) on two caches prefilled with the same prompt."""
+    b = bind(model)
+    plan, why = FusedPlan.build(b, "cpu", torch.float32)
+    assert plan is not None, why
+    out = []
+    for fused in (None, plan):
+        cache = ModelCache(b.config, batch=1, capacity=64, dtype=torch.float32, device="cpu", mtp=True)
+        r = Runner(b, cache, dtype=torch.float32, device="cpu", attention="triton", fused=fused)
+        t = prompt.shape[1]
+        pos = torch.arange(t).expand(3, t)
+        r.forward(prompt, pos, keep_rows=False)
+        cache.commit()
+        r.mtp_forward(prompt, prompt, pos)
+        cache.mtp.commit()
+        out.append(r)
+    return out
+
+
+def _states(cache):
+    return [(x.recurrent.clone(), x.conv.clone()) if isinstance(x, DeltaNetState) else (x.length.clone(), x.host_length)
+            for x in cache.layers]
+
+
+def test_fused_rows_match_torch_path(model, rng):
+    model, d = model
+    prompt = torch.randn(1, 11, d["hidden_size"], generator=rng)
+    plain, fused = _runners(model, prompt)
+    t = prompt.shape[1]
+    for rows, keep in ((1, 1), (4, 2), (4, 0), (3, 3)):
+        x = torch.randn(1, rows, d["hidden_size"], generator=rng)
+        length = plain.cache.length
+        pos = torch.arange(length, length + rows).expand(3, rows)
+        got = fused.forward(x, pos)
+        want = plain.forward(x, pos)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+        plain.cache.commit(keep)
+        fused.cache.commit(keep)
+        for (g1, g2), (w1, w2) in zip(_states(fused.cache), _states(plain.cache)):
+            if isinstance(g2, int):
+                assert torch.equal(g1, w1) and g2 == w2
+            else:
+                torch.testing.assert_close(g1, w1, atol=2e-5, rtol=2e-5)
+                torch.testing.assert_close(g2, w2, atol=2e-5, rtol=2e-5)
+    # the MTP head: 2 catch-up rows then one draft row
+    for rows in (2, 1):
+        h = torch.randn(1, rows, d["hidden_size"], generator=rng)
+        e = torch.randn(1, rows, d["hidden_size"], generator=rng)
+        pos = torch.arange(t, t + rows).expand(3, rows)
+        torch.testing.assert_close(fused.mtp_forward(h, e, pos), plain.mtp_forward(h, e, pos), atol=2e-5, rtol=2e-5)
+        fused.cache.mtp.commit()
+        plain.cache.mtp.commit()
+
+
+@pytest.mark.parametrize("mtp", ["off", 3])
+def test_fused_generation_equals_torch_path(model, rng, mtp):
+    model, d = model
+    prompt = torch.randn(1, 9, d["hidden_size"], generator=rng)
+    kw = dict(do_sample=False, max_length=16, stop_tokens=[], mtp=mtp, attention="torch")
+    fused = generate(model, prompt, fused=True, **kw)
+    plain = generate(model, prompt, fused=False, **kw)
+    assert fused.tokens == plain.tokens
+    if mtp != "off":
+        assert fused.stats.accepted == plain.stats.accepted and fused.stats.accepted > 0
+
+
+def test_plan_refuses_unknown_modules(model, rng):
+    model, d = model
+    b = bind(model)
+    layer = model.model.layers[1]
+    original = layer.input_layernorm
+    layer.input_layernorm = torch.nn.RMSNorm(d["hidden_size"], eps=1e-6)
+    try:
+        plan, why = FusedPlan.build(b, "cpu", torch.float32)
+        assert plan is None and "layers.1.input_layernorm" in why and "RMSNorm" in why
+        with pytest.raises(Qwen35Error, match="fused=True but layers.1.input_layernorm"):
+            generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, mtp="off", fused=True)
+    finally:
+        layer.input_layernorm = original
+    original.comfy_cast_weights = True  # ComfyUI casting weights per call: the modules must run
+    try:
+        plan, why = FusedPlan.build(b, "cpu", torch.float32)
+        assert plan is None and "casts or patches" in why
+    finally:
+        del original.comfy_cast_weights
+    assert FusedPlan.build(b, "cpu", torch.float32)[0] is not None
+    with pytest.raises(Qwen35Error, match="fused must be"):
+        generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, fused="yes")
