@@ -244,6 +244,28 @@ def profile_steps(model, prompt, *, attention: str, fused: bool, steps: int = 5,
             "top": [{"kernel": n[:90], "per_step": c / steps, "us_per_step": tt / steps} for n, (c, tt) in ranked]}
 
 
+@torch.no_grad()
+def trace_generation(model, prompt, *, attention: str, tokens: int, top: int = 25) -> dict:
+    """Host-side cost of a real greedy generation (MTP off, graphs on): the CPU ops that take the
+    most self time per token (torch profiler), and GPU kernel time against wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_one(model, prompt, max_length=4096, tokens=16, attention=attention, mtp="off")  # compile, warm
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompt.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        _, st, _ = run_one(model, prompt, max_length=4096, tokens=tokens, attention=attention, mtp="off")
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    cpu = sorted(ka, key=lambda e: -e.self_cpu_time_total)[:top]
+    gpu_us = sum(e.self_device_time_total for e in ka if e.device_type.name == "CUDA") if len(acts) > 1 else 0.0
+    return {"tokens": tokens, "wall_ms_per_token": 1e3 * wall / tokens,
+            "decode_ms_per_token": 1e3 * st.decode_s / max(1, st.tokens - 1),
+            "gpu_kernel_ms_per_token": gpu_us / 1e3 / tokens,
+            "cpu_top": [{"op": e.key[:80], "calls_per_token": e.count / tokens,
+                         "self_cpu_us_per_token": e.self_cpu_time_total / tokens} for e in cpu]}
+
+
 def soak(model, cfg, device, dtype, n: int) -> dict:
     """n generations with varied max_length, MTP on/off, ~20% interrupted: VRAM after each one and
     whether repeated (seed, MTP) requests gave identical tokens (they must, whatever max_length)."""
@@ -317,6 +339,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
     ap.add_argument("--steps", action="store_true", help="first time single steps: decode, verify (4 rows), draft")
     ap.add_argument("--profile", action="store_true", help="first list the kernels of an eager decode step")
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="first profile the host side of an N-token greedy generation")
     ap.add_argument("--soak", type=int, default=0, help="then run this many soak generations")
     ap.add_argument("--report", metavar="JSON", help="print the README table of saved runs and exit")
     args = ap.parse_args()
@@ -349,6 +373,12 @@ def main() -> None:
                   f"{prof['kernel_us_per_step']:.0f} us of kernels")
             for k in prof["top"]:
                 print(f"#   {k['us_per_step']:8.1f} us {k['per_step']:5.0f}x  {k['kernel']}")
+    if args.trace:
+        tr = out["trace"] = trace_generation(model, prompt, attention=attention0, tokens=args.trace)
+        print(f"# traced generation: {tr['decode_ms_per_token']:.2f} ms/token decode, GPU kernels "
+              f"{tr['gpu_kernel_ms_per_token']:.2f} ms/token; CPU self time per token:")
+        for e in tr["cpu_top"]:
+            print(f"#   {e['self_cpu_us_per_token']:8.1f} us {e['calls_per_token']:6.1f}x  {e['op']}")
     if args.steps:
         out["steps"] = {}
         for fused in args.fused:

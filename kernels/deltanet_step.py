@@ -52,14 +52,17 @@ def _step_kernel(
     so_b, so_s, st_t, st_b, st_h, sw_b, sw_c,
     eps, q_scale,
     HV: tl.constexpr, REP: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    S: tl.constexpr, K: tl.constexpr, DT: tl.constexpr,
+    BV: tl.constexpr, S: tl.constexpr, K: tl.constexpr, DT: tl.constexpr,
 ):
+    # grid (B * HV, DV // BV): program (b, h, vb) owns value columns [vb*BV, (vb+1)*BV) of head h.
+    # With BV < DV the gated norm (a reduction over all DV columns) is left to _gated_norm_kernel.
     pid = tl.program_id(0)
+    vb = tl.program_id(1)
     b = pid // HV
     h = pid % HV
     kh = h // REP
     offs_k = tl.arange(0, DK)
-    offs_v = tl.arange(0, DV)
+    offs_v = vb * BV + tl.arange(0, BV)
     q_ch = kh * DK + offs_k
     k_ch = KEY_DIM + kh * DK + offs_k
     v_ch = 2 * KEY_DIM + h * DV + offs_v
@@ -71,7 +74,7 @@ def _step_kernel(
 
     # Conv window out: old state then the new rows (q/k channels written by the first value head of
     # each key head, v channels by every head).
-    first = (offs_k + (h % REP) * DK) < DK  # all true for the first value head of the key head
+    first = (offs_k + ((h % REP) + vb) * DK) < DK  # all true in program (first value head of the key head, vb 0)
     for u in tl.static_range(K - 1 + S):
         if u < K - 1:
             qv = tl.load(CIN + b * sc_b + q_ch * sc_c + u)
@@ -103,11 +106,30 @@ def _step_kernel(
         o = tl.sum(q[:, None] * state, axis=0)  # [DV]
         tl.store(STATES + t * st_t + b * st_b + h * st_h + offs_k[:, None] * DV + offs_v[None, :], state)
 
-        o = _round(o, DT)
-        n = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps) * nw, DT)
-        z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs_v).to(tl.float32)
-        y = n * (z * tl.sigmoid(z))
-        tl.store(OUT + b * so_b + t * so_s + h * DV + offs_v, y.to(DT))
+        if BV == DV:
+            o = _round(o, DT)
+            n = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps) * nw, DT)
+            z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs_v).to(tl.float32)
+            y = n * (z * tl.sigmoid(z))
+            tl.store(OUT + b * so_b + t * so_s + h * DV + offs_v, y.to(DT))
+        else:
+            tl.store(OUT + b * so_b + t * so_s + h * DV + offs_v, o.to(DT))
+
+
+@triton.jit
+def _gated_norm_kernel(OUT, Z, NW, so_b, so_s, sz_b, sz_s, eps, HV: tl.constexpr, S: tl.constexpr,
+                       DV: tl.constexpr, DT: tl.constexpr):
+    """In place on OUT ``[B,S,HV*DV]``: ``rms_norm(o) * w * silu(z)`` per (b, row, head)."""
+    pid = tl.program_id(0)
+    h = pid % HV
+    t = (pid // HV) % S
+    b = pid // (HV * S)
+    offs = tl.arange(0, DV)
+    ptr = OUT + b * so_b + t * so_s + h * DV + offs
+    o = tl.load(ptr).to(tl.float32)
+    n = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps) * tl.load(NW + offs), DT)
+    z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs).to(tl.float32)
+    tl.store(ptr, (n * (z * tl.sigmoid(z))).to(DT))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -132,7 +154,7 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
                      conv_state: torch.Tensor, conv_weight: torch.Tensor, neg_a: torch.Tensor,
                      dt_bias: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
                      key_heads: int, states_out: torch.Tensor | None = None,
-                     window_out: torch.Tensor | None = None):
+                     window_out: torch.Tensor | None = None, config: tuple[int, int] | None = None):
     """Fused Gated DeltaNet rows (see the module docstring).
 
     qkv ``[B,S,2*Hk*Dk+Hv*Dv]`` (in_proj_qkv output; last dim contiguous), z ``[B,S,Hv*Dv]``, a, b
@@ -143,7 +165,8 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
 
     Returns ``(out [B,S,Hv*Dv] dtype, states [S,B,Hv,Dk,Dv] float32 (state after each row),
     window [B,C,K-1+S] dtype (old conv state then the S new rows))``; ``states_out`` /
-    ``window_out`` may be given (contiguous, those shapes) to write into.
+    ``window_out`` may be given (contiguous, those shapes) to write into. ``config``: (value-column
+    blocks, warps) to override the tuned choice (benchmarks, tests).
     """
     bsz, s, c = qkv.shape
     hv = a.shape[-1]
@@ -183,15 +206,26 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
         raise ValueError(f"gated_delta_step: states_out must be contiguous {(s, bsz, hv, dk, dv)}")
     if tuple(window_out.shape) != (bsz, c, kernel - 1 + s) or window_out.stride(-1) != 1:
         raise ValueError(f"gated_delta_step: window_out must be {(bsz, c, kernel - 1 + s)} with a contiguous last dim")
-    warps = 8 if dk * dv >= 128 * 128 else 4
-    _step_kernel[(bsz * hv,)](
+    split, warps = _config(dk, dv, s) if config is None else config
+    if dv % split or not _pow2(dv // split):
+        raise ValueError(f"gated_delta_step: cannot split {dv} value columns into {split} power-of-two blocks")
+    _step_kernel[(bsz * hv, split)](
         qkv, z, a, b, conv_state, conv_weight, neg_a, dt_bias, state, norm_weight, out, states_out, window_out,
         qkv.stride(0), qkv.stride(1), z.stride(0), z.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1),
         out.stride(0), out.stride(1), states_out.stride(0), states_out.stride(1), states_out.stride(2),
         window_out.stride(0), window_out.stride(1),
         float(eps), dk ** -0.5,
-        HV=hv, REP=hv // key_heads, KEY_DIM=key_dim, DK=dk, DV=dv, S=s, K=kernel, DT=_TL_DTYPES[dt],
-        num_warps=warps,
+        HV=hv, REP=hv // key_heads, KEY_DIM=key_dim, DK=dk, DV=dv, BV=dv // split, S=s, K=kernel,
+        DT=_TL_DTYPES[dt], num_warps=warps,
     )
+    if split > 1:
+        _gated_norm_kernel[(bsz * s * hv,)](
+            out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(eps),
+            HV=hv, S=s, DV=dv, DT=_TL_DTYPES[dt], num_warps=4)
     return out, states_out, window_out
+
+
+def _config(dk: int, dv: int, rows: int) -> tuple[int, int]:
+    """(value-column blocks, warps) for one launch."""
+    return 1, (8 if dk * dv >= 128 * 128 else 4)

@@ -86,13 +86,14 @@ SHAPES = [  # B, S, Hk, Hv, Dk, Dv, K
 ]
 
 
+@pytest.mark.parametrize("config", [None, (2, 4)], ids=["tuned", "split2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_step_matches_float64(rng, dtype, shape):
+def test_step_matches_float64(rng, dtype, shape, config):
     bsz, s, hk, hv, dk, dv, kernel = shape
     inputs = make(rng, bsz, s, hk, hv, dk, dv, kernel, dtype)
     state_before = inputs[8].clone()
-    out, states, window = run(inputs, 1e-6, hk)
+    out, states, window = run(inputs, 1e-6, hk, config=config)
     ref_out, ref_states, ref_window = oracle(*inputs, 1e-6, hk)
     tol = 2e-5 if dtype == torch.float32 else 5e-3
     assert out.dtype == dtype and states.dtype == torch.float32 and window.dtype == dtype
@@ -141,11 +142,12 @@ def test_bad_inputs(rng):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("config", [None, (1, 4), (1, 16), (2, 8), (4, 4)])
 @pytest.mark.parametrize("s", [1, 4, 8])
-def test_gpu_bf16_9b_shape(s):
+def test_gpu_bf16_9b_shape(s, config):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     inputs = make(gen, 1, s, 16, 32, 128, 128, 4, torch.bfloat16)
-    out, states, window = run(inputs, 1e-6, 16)
+    out, states, window = run(inputs, 1e-6, 16, config=config)
     ref_out, ref_states, ref_window = oracle(*(t.cpu() for t in inputs), 1e-6, 16)
     assert torch.equal(window.double().cpu(), ref_window)
     assert rel(states, ref_states) < 1e-2

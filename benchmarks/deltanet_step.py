@@ -1,0 +1,100 @@
+"""Speed of the fused Gated DeltaNet step kernel at the Qwen3.5-9B shape (GPU), per launch config.
+
+Each timed graph replays 48 launches over 48 different states (about 100 MB, twice the L2), as
+the 24 DeltaNet layers of two decode steps would; the median of many replays is reported per
+launch, with the bytes each launch must move (state read, one state written per row) over the
+measured copy bandwidth as the floor.
+
+Usage: python benchmarks/deltanet_step.py [--rows 1 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _standalone import load_pack  # noqa: E402
+
+load_pack()
+from qwen35_fast.kernels.deltanet_step import _config, gated_delta_step  # noqa: E402
+
+CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]
+HK, HV, DK, DV, K = 16, 32, 128, 128, 4
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def time_config(rows: int, config, n: int = 48, reps: int = 50) -> float:
+    """Median microseconds per launch."""
+    dt = torch.bfloat16
+    c = 2 * HK * DK + HV * DV
+    qkv = torch.randn(1, rows, c, device="cuda", dtype=dt)
+    z = torch.randn(1, rows, HV * DV, device="cuda", dtype=dt)
+    a = torch.randn(1, rows, HV, device="cuda", dtype=dt)
+    b = torch.randn(1, rows, HV, device="cuda", dtype=dt)
+    conv = torch.randn(1, c, K - 1, device="cuda", dtype=dt)
+    w = torch.randn(c, K, device="cuda", dtype=dt) * 0.5
+    neg_a, dt_bias = -torch.rand(HV, device="cuda") * 4, torch.randn(HV, device="cuda") * 0.1
+    states = [torch.randn(1, HV, DK, DV, device="cuda") * 0.1 for _ in range(n)]
+    outs = [torch.empty(rows, 1, HV, DK, DV, device="cuda") for _ in range(n)]
+    nw = torch.ones(DV, device="cuda")
+
+    def launch_all():
+        for st, so in zip(states, outs):
+            gated_delta_step(qkv, z, a, b, conv, w, neg_a, dt_bias, st, nw, 1e-6, key_heads=HK,
+                             states_out=so, config=config)
+
+    launch_all()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_all()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return sorted(times)[reps // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--json", default="deltanet_step.json")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'rows':>4} {'blocks':>6} {'warps':>5} {'us':>7} {'floor us':>8} {'floor%':>6}")
+    out = {"copy_bw_Bps": bw, "rows": []}
+    for rows in args.rows:
+        floor = (DK * DV * 4 * HV * (1 + rows)) / bw * 1e6
+        for config in [None] + CONFIGS:
+            us = time_config(rows, config)
+            cfg = _config(DK, DV, rows) if config is None else config
+            out["rows"].append({"rows": rows, "blocks": cfg[0], "warps": cfg[1], "tuned": config is None,
+                                "us": us, "floor_us": floor})
+            print(f"{rows:>4} {cfg[0]:>6} {cfg[1]:>5} {us:>7.2f} {floor:>8.2f} {100 * floor / us:>5.0f}%"
+                  + ("  (current choice)" if config is None else ""), flush=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
