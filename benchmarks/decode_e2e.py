@@ -198,6 +198,15 @@ def step_times(model, prompt, *, attention: str, fused: bool, rows=(1, 4), iters
             cache.commit(0)
 
         out[f"step_{r}_ms"] = timed(main_step)
+        if r == 1 and cuda:  # as generate runs it: the host waits for each token before the next step
+            lat = []
+            for _i in range(50):
+                t0 = time.perf_counter()
+                hidden, _ = runner.forward(x, pos)
+                int(binding.logits(hidden)[0, -1].argmax())
+                cache.commit(0)
+                lat.append(1e3 * (time.perf_counter() - t0))
+            out["synced_step_1_ms"] = sorted(lat)[25]
     h1, pos1 = prompt[:, :1].contiguous(), torch.arange(t, t + 1, device=device).expand(3, 1)
 
     def draft_step():
@@ -383,13 +392,23 @@ def main() -> None:
         out["steps"] = {}
         for fused in args.fused:
             st = step_times(model, prompt, attention=attention0, fused=fused == "on")
+            if fused == "on" and not args.tiny:  # the step as one graph instead of a chain
+                from qwen35_fast.engine import graphs
+
+                seg, graphs.SEGMENT_LAYERS = graphs.SEGMENT_LAYERS, 10**6
+                one = step_times(model, prompt, attention=attention0, fused=True, rows=(1,))
+                graphs.SEGMENT_LAYERS = seg
+                st["one_graph_step_1_ms"], st["one_graph_synced_step_1_ms"] = one["step_1_ms"], one["synced_step_1_ms"]
+                print(f"# one graph per step: {one['step_1_ms']:.3f} ms back to back, "
+                      f"{one['synced_step_1_ms']:.3f} ms with a host sync per token", flush=True)
             st["verify_over_decode"] = st["step_4_ms"] / st["step_1_ms"]
             st["floor_over_decode"] = floor_ms / st["step_1_ms"]
             out["steps"][fused] = st
             print(f"# graph steps, fused {fused}: decode {st['step_1_ms']:.3f} ms "
                   f"({100 * st['floor_over_decode']:.0f}% of floor), verify 4 rows {st['step_4_ms']:.3f} ms "
                   f"({st['verify_over_decode']:.2f}x), "
-                  f"draft {st['draft_ms']:.3f} ms", flush=True)
+                  f"draft {st['draft_ms']:.3f} ms; {st.get('synced_step_1_ms', float('nan')):.3f} ms with a host "
+                  "sync per token", flush=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"{'attention':>9} {'fused':>5} {'max_len':>7} {'mode':>7} {'tok/s':>7} {'ms/tok':>7} {'accept':>6} "
           f"{'peakGB':>6} {'floor%':>6}")

@@ -182,8 +182,8 @@ class _Decoder:
         self.count = len(initial)
 
     def _write(self, tokens: Sequence[int]) -> None:
-        if tokens:
-            self.hist[self.count:self.count + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        if tokens and self.penalised:  # only the penalties read the history
+            self.hist[self.count:self.count + len(tokens)] = _to_device(list(tokens), self.device)
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Append generated tokens."""
@@ -390,8 +390,17 @@ def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds,
     return GenerationResult(list(dec.generated), stats, "max_length")
 
 
+def _to_device(tokens: list[int], device) -> torch.Tensor:
+    """int64 ``[N]`` on ``device``. To CUDA through pinned memory without a host sync (torch's
+    pinned-block cache keeps the block until the copy is done)."""
+    t = torch.tensor(tokens, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _ids(tokens: list[int], device) -> torch.Tensor:
-    return torch.tensor([tokens], dtype=torch.int64, device=device)
+    return _to_device(tokens, device).unsqueeze(0)
 
 
 def _draft(binding, runner: Runner, dec: _Decoder, positions: _Positions, pend_hidden, pend_emb,

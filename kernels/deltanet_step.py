@@ -227,5 +227,10 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
 
 
 def _config(dk: int, dv: int, rows: int) -> tuple[int, int]:
-    """(value-column blocks, warps) for one launch."""
-    return 1, (8 if dk * dv >= 128 * 128 else 4)
+    """(value-column blocks, warps) for one launch. Measured on an H200 at the 9B shape (Dk = Dv =
+    128, 32 heads, ``benchmarks/deltanet_step.py``): 1 row, whole heads with 4 warps 6.4 us (8
+    warps 10.0); 4 rows, 4 column blocks with 4 warps 12.8 us (whole heads, 8 warps 50.6): more
+    programs hide the serial row chain, 4 warps keep the state tile out of local memory."""
+    if rows == 1 or dv % 4 or dv // 4 < 16:
+        return 1, 4
+    return 4, 4
