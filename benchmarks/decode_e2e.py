@@ -392,15 +392,6 @@ def main() -> None:
         out["steps"] = {}
         for fused in args.fused:
             st = step_times(model, prompt, attention=attention0, fused=fused == "on")
-            if fused == "on" and not args.tiny:  # the step as one graph instead of a chain
-                from qwen35_fast.engine import graphs
-
-                seg, graphs.SEGMENT_LAYERS = graphs.SEGMENT_LAYERS, 10**6
-                one = step_times(model, prompt, attention=attention0, fused=True, rows=(1,))
-                graphs.SEGMENT_LAYERS = seg
-                st["one_graph_step_1_ms"], st["one_graph_synced_step_1_ms"] = one["step_1_ms"], one["synced_step_1_ms"]
-                print(f"# one graph per step: {one['step_1_ms']:.3f} ms back to back, "
-                      f"{one['synced_step_1_ms']:.3f} ms with a host sync per token", flush=True)
             st["verify_over_decode"] = st["step_4_ms"] / st["step_1_ms"]
             st["floor_over_decode"] = floor_ms / st["step_1_ms"]
             out["steps"][fused] = st

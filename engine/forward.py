@@ -87,45 +87,28 @@ class Runner:
 
     def _forward_fused(self, x: torch.Tensor, cos, sin):
         """``forward`` for S <= 8 rows through the fused kernels (same contract, rows always kept)."""
-        ctx = self.fused_begin(x, cos, sin)
-        self.fused_layers(ctx, 0, len(self.b.layers))
-        return self.fused_end(ctx)
-
-    def fused_begin(self, x: torch.Tensor, cos, sin) -> dict:
-        """Start a fused forward of S rows: the running state passed through ``fused_layers``
-        (a dict of tensors: residual stream, pending mixer output, rope tables, staged DeltaNet
-        states ``[n_delta,S,B,Hv,Dk,Dv]`` and conv windows ``[n_delta,B,C,K-1+S]``)."""
+        plan, cfg = self.fused, self.cfg
         b, s, _ = x.shape
         deltas = self.cache.delta_states()
+        # Every DeltaNet layer's per-row states and conv window, staged together for one commit copy.
         states = torch.empty(len(deltas), s, *deltas[0].recurrent.shape, dtype=torch.float32, device=x.device)
         conv = deltas[0].conv
         windows = torch.empty(len(deltas), b, conv.shape[1], conv.shape[2] + s, dtype=conv.dtype, device=x.device)
-        return {"x": x, "mixed": None, "cos": cos, "sin": sin, "states": states, "windows": windows}
-
-    def fused_layers(self, ctx: dict, start: int, stop: int) -> None:
-        """Run layers ``[start, stop)`` of a fused forward in place on ``ctx`` (see ``fused_begin``)."""
-        plan, cfg = self.fused, self.cfg
-        x, mixed = ctx["x"], ctx["mixed"]
-        j = sum(isinstance(st, DeltaNetState) for st in self.cache.layers[:start])
-        for i in range(start, stop):
-            layer, state = self.b.layers[i], self.cache.layers[i]
+        j, mixed = 0, None
+        for i, layer in enumerate(self.b.layers):
+            state = self.cache.layers[i]
             xn, x = plan.norm(f"layers.{i}.input_layernorm", x, mixed)
             if isinstance(state, DeltaNetState):
                 neg_a, dt_bias = self._consts[i]
                 mixed = plan.deltanet(i, layer.linear_attn, xn, state, neg_a, dt_bias, cfg.linear_num_key_heads,
-                                      ctx["states"][j], ctx["windows"][j])
+                                      states[j], windows[j])
                 j += 1
             else:
-                mixed = self._attention_fused(f"layers.{i}.self_attn", layer.self_attn, xn, state,
-                                              ctx["cos"], ctx["sin"])
+                mixed = self._attention_fused(f"layers.{i}.self_attn", layer.self_attn, xn, state, cos, sin)
             xn, x = plan.norm(f"layers.{i}.post_attention_layernorm", x, mixed)
             mixed = plan.mlp(i, xn)
-        ctx["x"], ctx["mixed"] = x, mixed
-
-    def fused_end(self, ctx: dict):
-        """Finish a fused forward: stage every DeltaNet layer's rows; returns ``(hidden, prenorm)``."""
-        self.cache.stage_group(ctx["states"], ctx["windows"], ctx["x"].shape[1])
-        return self.fused.norm("norm", ctx["x"], ctx["mixed"])
+        self.cache.stage_group(states, windows, s)
+        return plan.norm("norm", x, mixed)
 
     def _attention_fused(self, prefix: str, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
         cfg = self.cfg

@@ -71,23 +71,11 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[dev]
 
 
-#: Layers per captured graph of a fused main step. Launching a CUDA graph costs host time that
-#: grows with its node count (about 1 ms for the ~600 kernels of a 9B step on an H200), and the GPU
-#: idles while the step after a host sync is launched; a chain of short graphs lets the GPU start
-#: on the first while the host launches the rest.
-SEGMENT_LAYERS = 4
-
-
 class _Graph:
-    """A captured forward (one graph, or a chain replayed in order) with static inputs/outputs
-    and the host state it leaves behind."""
+    """One captured forward with static inputs/outputs and the host state it leaves behind."""
 
-    def __init__(self, graphs, inputs, outputs, staged):
-        self.graphs, self.inputs, self.outputs, self.staged = graphs, inputs, outputs, staged
-
-    def replay(self) -> None:
-        for g in self.graphs:
-            g.replay()
+    def __init__(self, graph, inputs, outputs, staged):
+        self.graph, self.inputs, self.outputs, self.staged = graph, inputs, outputs, staged
 
 
 class GraphRunner:
@@ -172,39 +160,16 @@ class GraphRunner:
             self._eager(kind, static)  # compiles kernels, allocates lazily built constants
             self._unstage(kind, ran=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        graphs = []
+        graph = torch.cuda.CUDAGraph()
         try:
-            if kind == "main" and self.runner.fused is not None:
-                outputs = self._capture_segments(static, graphs)
-            else:
-                graphs.append(torch.cuda.CUDAGraph())
-                with torch.cuda.graph(graphs[0]):
-                    outputs = self._eager(kind, static)
+            with torch.cuda.graph(graph):
+                outputs = self._eager(kind, static)
         except Exception:
             self._unstage(kind, ran=False)
             raise
         staged = self._snapshot_staged(kind)
         self._unstage(kind, ran=False)
-        return _Graph(graphs, static, outputs, staged)
-
-    def _capture_segments(self, static, graphs: list):
-        """Capture a fused main step as a chain of graphs of ``SEGMENT_LAYERS`` layers each; the
-        tensors one segment leaves in its pool are the next segment's inputs."""
-        runner = self.runner
-        x, pos = static
-        n = len(runner.b.layers)
-        bounds = list(range(0, n, SEGMENT_LAYERS)) + [n]
-        ctx, outputs = None, None
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            graphs.append(torch.cuda.CUDAGraph())
-            with torch.cuda.graph(graphs[-1]):
-                if a == 0:
-                    cos, sin = runner.rope.tables(pos)
-                    ctx = runner.fused_begin(x, cos, sin)
-                runner.fused_layers(ctx, a, b)
-                if b == n:
-                    outputs = runner.fused_end(ctx)
-        return outputs
+        return _Graph(graph, static, outputs, staged)
 
     def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, emb: torch.Tensor | None = None):
         rows = x.shape[1]
@@ -217,6 +182,6 @@ class GraphRunner:
             log.info("captured the %s %d-row step as a CUDA graph", kind, rows)
         for dst, src in zip(g.inputs, inputs):
             dst.copy_(src)
-        g.replay()
+        g.graph.replay()
         self._restage(kind, g.staged)
         return g.outputs
