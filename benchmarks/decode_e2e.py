@@ -194,7 +194,7 @@ def step_times(model, prompt, *, attention: str, fused: bool, rows=(1, 4), iters
 
         def main_step(x=x, pos=pos):
             hidden, _ = runner.forward(x, pos)
-            runner.logits(hidden)
+            binding.logits(hidden)
             cache.commit(0)
 
         out[f"step_{r}_ms"] = timed(main_step)
@@ -203,14 +203,14 @@ def step_times(model, prompt, *, attention: str, fused: bool, rows=(1, 4), iters
             for _i in range(50):
                 t0 = time.perf_counter()
                 hidden, _ = runner.forward(x, pos)
-                int(runner.logits(hidden)[0, -1].argmax())
+                int(binding.logits(hidden)[0, -1].argmax())
                 cache.commit(0)
                 lat.append(1e3 * (time.perf_counter() - t0))
             out["synced_step_1_ms"] = sorted(lat)[25]
     h1, pos1 = prompt[:, :1].contiguous(), torch.arange(t, t + 1, device=device).expand(3, 1)
 
     def draft_step():
-        runner.logits(runner.mtp_forward(h1, h1, pos1))
+        binding.logits(runner.mtp_forward(h1, h1, pos1))
         cache.mtp.commit(0)
 
     out["draft_ms"] = timed(draft_step)
@@ -230,7 +230,7 @@ def profile_steps(model, prompt, *, attention: str, fused: bool, steps: int = 5,
 
     def step():
         hidden, _h = runner.forward(x, pos)
-        runner.logits(hidden)
+        binding.logits(hidden)
         cache.commit(0)
 
     step()

@@ -104,24 +104,19 @@ class Runner:
                                       states[j], windows[j])
                 j += 1
             else:
-                mixed = self._attention_fused(i, layer.self_attn, xn, state, cos, sin)
+                mixed = self._attention_fused(f"layers.{i}.self_attn", layer.self_attn, xn, state, cos, sin)
             xn, x = plan.norm(f"layers.{i}.post_attention_layernorm", x, mixed)
             mixed = plan.mlp(i, xn)
         self.cache.stage_group(states, windows, s)
         return plan.norm("norm", x, mixed)
 
-    def _attention_fused(self, key, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
-        cfg, plan = self.cfg, self.fused
-        q, k, v, gate = plan.qk(key, attn, xn, cos, sin, cfg.head_dim, cfg.num_attention_heads,
-                                cfg.num_key_value_heads)
+    def _attention_fused(self, prefix: str, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v, gate = self.fused.qk(prefix, attn, xn, cos, sin, cfg.head_dim, cfg.num_attention_heads,
+                                      cfg.num_key_value_heads)
         lengths = kv.write(k, v)
         o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=self.attention)
-        return plan.linears((key, "out"), (attn.o_proj,), plan.gate(o, gate))[0]
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]`` (``binding.logits``, or the fused
-        plan's Triton product when the output weight is plain)."""
-        return self.b.logits(h) if self.fused is None else self.fused.logits(self.b, h)
+        return attn.o_proj(self.fused.gate(o, gate))
 
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Stage S rows of the MTP head in ``cache.mtp``: hidden, emb ``[B,S,H]`` -> normed ``[B,S,H]``.
@@ -135,10 +130,10 @@ class Runner:
             plan = self.fused
             e, _ = plan.norm("mtp.pre_fc_norm_embedding", emb)
             h, _ = plan.norm("mtp.pre_fc_norm_hidden", hidden)
-            x = plan.linears(("mtp", "fc"), (head.fc,), torch.cat([e, h], dim=-1))[0]
+            x = head.fc(torch.cat([e, h], dim=-1))
             layer = head.layers[0]
             xn, _ = plan.norm("mtp.layers.0.input_layernorm", x)
-            mixed = self._attention_fused("mtp", layer.self_attn, xn, self.cache.mtp, cos, sin)
+            mixed = self._attention_fused("mtp.layers.0.self_attn", layer.self_attn, xn, self.cache.mtp, cos, sin)
             xn, x = plan.norm("mtp.layers.0.post_attention_layernorm", x, mixed)
             return plan.norm("mtp.norm", x, plan.mlp("mtp", xn))[0]
         x = head.fc(torch.cat([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)], dim=-1))

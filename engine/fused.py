@@ -24,28 +24,12 @@ _GATED_CLASSES = ("RMSNormGated",)
 
 
 def _triton_ops():
-    """(fused_ops, deltanet_step, gemv) modules, or the reason they cannot be imported."""
+    """(fused_ops, deltanet_step) modules, or the reason they cannot be imported."""
     try:
-        from ..kernels import deltanet_step, fused_ops, gemv
+        from ..kernels import deltanet_step, fused_ops
     except Exception as exc:  # no Triton for this platform, or a broken install
         return None, f"Triton is not usable here ({type(exc).__name__}: {exc})"
-    return (fused_ops, deltanet_step, gemv), None
-
-
-def _plain_weight(mod, dtype: torch.dtype, device: torch.device, kinds=("Linear",)) -> torch.Tensor | None:
-    """The weight of a plain, bias-free Linear (or tied Embedding) that the Triton product can read
-    directly, or None (quantized or patched-per-call weights, another dtype or device: the module
-    itself is called then)."""
-    w = getattr(mod, "weight", None)
-    if type(mod).__name__ not in kinds or type(w) not in (torch.Tensor, torch.nn.Parameter):
-        return None
-    if getattr(mod, "bias", None) is not None or getattr(mod, "comfy_cast_weights", False) or \
-            getattr(mod, "weight_function", None) or getattr(mod, "bias_function", None):
-        return None
-    if dtype not in (torch.bfloat16, torch.float16) or w.dtype != dtype or w.device != device or \
-            w.dim() != 2 or w.stride(1) != 1:
-        return None
-    return w.detach()
+    return (fused_ops, deltanet_step), None
 
 
 class _Reject(Exception):
@@ -87,10 +71,9 @@ class FusedPlan:
     layers the conv weight ``[C,K]`` and gated-norm weight; for attention layers the q/k norm
     weights; the same for the MTP head."""
 
-    def __init__(self, ops, norms: dict, convs: dict, mlps: dict, eps: float, lin: dict):
-        self.ops, self.step, self.gemv = ops
+    def __init__(self, ops, norms: dict, convs: dict, mlps: dict, eps: float):
+        self.ops, self.step = ops
         self.norms, self.convs, self.mlps, self.eps = norms, convs, mlps, eps
-        self.lin = lin  # key -> weights read by one Triton product launch (absent: call the modules)
 
     @classmethod
     def build(cls, binding, device, dtype: torch.dtype) -> tuple[FusedPlan | None, str | None]:
@@ -109,30 +92,12 @@ class FusedPlan:
         if why is not None:
             return None, f"the fused DeltaNet kernel does not support this model: {why}"
         comfy = binding.is_comfy
-        norms, convs, mlps, eps, lin = {}, {}, {}, set(), {}
+        norms, convs, mlps, eps = {}, {}, {}, set()
 
         def norm(mod, key):
             w, e = _norm_weight(mod, dtype, device, comfy, key)
             norms[key] = w
             eps.add(e)
-
-        def group(key, *mods, kinds=("Linear",)):
-            ws = [_plain_weight(m, dtype, device, kinds) for m in mods]
-            if all(w is not None for w in ws) and len({w.shape[1] for w in ws}) == 1:
-                lin[key] = ws
-
-        def layer_groups(key, layer):
-            mlp = layer.mlp
-            group((key, "gate_up"), mlp.gate_proj, mlp.up_proj)
-            group((key, "down"), mlp.down_proj)
-            if hasattr(layer, "linear_attn"):
-                la = layer.linear_attn
-                group((key, "in"), la.in_proj_a, la.in_proj_b, la.in_proj_qkv, la.in_proj_z)
-                group((key, "out"), la.out_proj)
-            else:
-                at = layer.self_attn
-                group((key, "in"), at.k_proj, at.v_proj, at.q_proj)
-                group((key, "out"), at.o_proj)
 
         try:
             for i, layer in enumerate(binding.layers):
@@ -151,13 +116,6 @@ class FusedPlan:
                     norm(layer.self_attn.q_norm, f"layers.{i}.self_attn.q_norm")
                     norm(layer.self_attn.k_norm, f"layers.{i}.self_attn.k_norm")
             norm(binding.transformer.norm, "norm")
-            for i, layer in enumerate(binding.layers):
-                layer_groups(i, layer)
-            out_head = getattr(binding.transformer, "lm_head", None)
-            if out_head is not None:
-                group("lm_head", out_head)
-            else:
-                group("lm_head", binding.transformer.embed_tokens, kinds=("Embedding",))
             head = binding.mtp
             if head is not None:
                 layer = head.layers[0]
@@ -168,54 +126,28 @@ class FusedPlan:
                 norm(layer.self_attn.q_norm, "mtp.layers.0.self_attn.q_norm")
                 norm(layer.self_attn.k_norm, "mtp.layers.0.self_attn.k_norm")
                 mlps["mtp"] = _mlp_parts(layer.mlp, "mtp.layers.0.mlp")
-                layer_groups("mtp", layer)
-                group(("mtp", "fc"), head.fc)
         except _Reject as exc:
             return None, str(exc)
         if len(eps) != 1:
             return None, f"the norms use different eps values {sorted(eps)}"
-        return cls(ops, norms, convs, mlps, eps.pop(), lin), None
+        return cls(ops, norms, convs, mlps, eps.pop()), None
 
     # ------------------------------------------------------------------ building blocks
     def norm(self, key: str, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``(rms_norm(x + residual), x + residual)`` with the weight of norm ``key``. x ``[B,S,H]``."""
         return self.ops.add_rms_norm(x, residual, self.norms[key], self.eps)
 
-    def linears(self, key, modules, x: torch.Tensor) -> list[torch.Tensor]:
-        """``[m(x) for m in modules]``: one Triton launch when the plan holds their plain weights
-        under ``key``, else the modules themselves (quantized, patched or cast weights)."""
-        ws = self.lin.get(key)
-        if ws is None or x.numel() // x.shape[-1] > self.gemv.MAX_ROWS:
-            return [m(x) for m in modules]
-        return self.gemv.gemv_group(x, ws)
-
-    def logits(self, binding, h: torch.Tensor) -> torch.Tensor:
-        """``binding.logits(h)`` (h ``[B,S,H]`` -> float32 ``[B,S,V]``) through the Triton product when
-        the output weight is plain."""
-        ws = self.lin.get("lm_head")
-        if ws is None or h.numel() // h.shape[-1] > self.gemv.MAX_ROWS or h.dtype != ws[0].dtype:
-            return binding.logits(h)
-        return self.gemv.gemv_group(h, ws)[0].float()
-
     def mlp(self, key, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: x ``[B,S,H]`` -> ``[B,S,H]`` (the SiLU-multiply fused into the down projection's
-        loads when its weight is plain)."""
+        """SwiGLU through the module's own Linears: x ``[B,S,H]`` -> ``[B,S,H]``."""
         gate, up, down = self.mlps[key]
-        g, u = self.linears((key, "gate_up"), (gate, up), x)
-        wd = self.lin.get((key, "down"))
-        if wd is not None and g.numel() // g.shape[-1] <= self.gemv.MAX_ROWS:
-            return self.gemv.gemv_group(g, wd, up=u)[0]
-        return down(self.ops.silu_mul(g, u))
+        return down(self.ops.silu_mul(gate(x), up(x)))
 
-    def qk(self, key, attn, xn: torch.Tensor, cos, sin, head_dim: int, hq: int, hkv: int):
-        """q ``[B,Hq,S,D]``, k ``[B,Hkv,S,D]`` (normed, rotated), v ``[B,Hkv,S,D]`` view, gate
-        ``[B,S,Hq,D]`` view. ``key``: the layer index or "mtp"."""
+    def qk(self, prefix: str, attn, xn: torch.Tensor, cos, sin, head_dim: int, hq: int, hkv: int):
+        """q ``[B,Hq,S,D]``, k ``[B,Hkv,S,D]`` (normed, rotated), v ``[B,Hkv,S,D]`` view, gate ``[B,S,Hq,D]`` view."""
         b, s, _ = xn.shape
-        prefix = "mtp.layers.0.self_attn" if key == "mtp" else f"layers.{key}.self_attn"
-        k, v, qg = self.linears((key, "in"), (attn.k_proj, attn.v_proj, attn.q_proj), xn)
-        qg = qg.view(b, s, hq, 2 * head_dim)
-        k = k.view(b, s, hkv, head_dim)
-        v = v.view(b, s, hkv, head_dim).transpose(1, 2)
+        qg = attn.q_proj(xn).view(b, s, hq, 2 * head_dim)
+        k = attn.k_proj(xn).view(b, s, hkv, head_dim)
+        v = attn.v_proj(xn).view(b, s, hkv, head_dim).transpose(1, 2)
         q = self.ops.rms_norm_rope(qg[..., :head_dim], self.norms[f"{prefix}.q_norm"], self.eps, cos, sin)
         k = self.ops.rms_norm_rope(k, self.norms[f"{prefix}.k_norm"], self.eps, cos, sin)
         return q, k, v, qg[..., head_dim:]
@@ -228,9 +160,8 @@ class FusedPlan:
                  states_out: torch.Tensor, window_out: torch.Tensor) -> torch.Tensor:
         """Fused DeltaNet mixer for S rows; writes per-row states / the conv window into the given
         buffers (the caller stages them). xn ``[B,S,H]`` -> ``[B,S,H]``."""
-        a, b, qkv, z = self.linears((i, "in"), (la.in_proj_a, la.in_proj_b, la.in_proj_qkv, la.in_proj_z), xn)
         out, _, _ = self.step.gated_delta_step(
-            qkv, z, a, b, state.conv, self.convs[i], neg_a, dt_bias, state.recurrent,
-            self.norms[f"layers.{i}.linear_attn.norm"], self.eps, key_heads=key_heads, states_out=states_out,
-            window_out=window_out)
-        return self.linears((i, "out"), (la.out_proj,), out)[0]
+            la.in_proj_qkv(xn), la.in_proj_z(xn), la.in_proj_a(xn), la.in_proj_b(xn), state.conv, self.convs[i],
+            neg_a, dt_bias, state.recurrent, self.norms[f"layers.{i}.linear_attn.norm"], self.eps,
+            key_heads=key_heads, states_out=states_out, window_out=window_out)
+        return la.out_proj(out)

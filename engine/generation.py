@@ -329,7 +329,7 @@ def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds,
     prompt_len = embeds.shape[1]
     hidden, pre = runner.forward(embeds, positions.rows(0, prompt_len), keep_rows=False)
     cache.commit()
-    logits = dec.mask(runner.logits(hidden[:, -1:])[0], 0)
+    logits = dec.mask(binding.logits(hidden[:, -1:])[0], 0)
     token = dec.draw(logits)
     dec.accept([token])
     stats.prefill_s = time.perf_counter() - t0
@@ -363,7 +363,7 @@ def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds,
             hidden, _ = runner.forward(rows, positions.rows(length, 1))
             cache.commit()
             stats.steps += 1
-            logits = dec.mask(runner.logits(hidden)[0], len(dec.generated))
+            logits = dec.mask(binding.logits(hidden)[0], len(dec.generated))
             new = [dec.draw(logits)]
         else:
             drafts, qs = _draft(binding, runner, dec, positions, pend_hidden, pend_emb, mtp_start, length, k)
@@ -371,7 +371,7 @@ def _run(binding, runner: Runner, dec: _Decoder, stats: GenerationStats, embeds,
             rows = binding.embed(_ids([pending] + drafts, device), dtype, device)
             hidden, pre = runner.forward(rows, positions.rows(length, k + 1))
             stats.steps += 1
-            logits = dec.mask(runner.logits(hidden)[0], len(dec.generated))
+            logits = dec.mask(binding.logits(hidden)[0], len(dec.generated))
             new, accepted = _accept(dec, logits, drafts, qs)
             stats.accepted += accepted
             cache.commit(1 + accepted)
@@ -419,7 +419,7 @@ def _draft(binding, runner: Runner, dec: _Decoder, positions: _Positions, pend_h
             emb = binding.embed(_ids([drafts[-1]], device), dtype, device)
             last = runner.mtp_forward(last, emb, positions.rows(length - 1 + j, 1))
             mcache.commit()
-        logits = dec.mask(runner.logits(last)[0], len(dec.generated) + j)
+        logits = dec.mask(binding.logits(last)[0], len(dec.generated) + j)
         if callable(dec.mtp_draft):  # benchmark hook: the head ran, its draft is replaced
             drafts.append(int(dec.mtp_draft(len(dec.generated) + j)))
             qs.append(None)

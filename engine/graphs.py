@@ -97,10 +97,6 @@ class GraphRunner:
             return self.runner.forward(x, pos, keep_rows=keep_rows)
         return self._run("main", x, pos)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``Runner.logits`` (eager)."""
-        return self.runner.logits(h)
-
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Same contract as ``Runner.mtp_forward``; graphs for 1..8 rows."""
         if hidden.shape[1] > MAX_ROWS:

@@ -117,35 +117,3 @@ def test_plan_refuses_unknown_modules(model, rng):
     assert FusedPlan.build(b, "cpu", torch.float32)[0] is not None
     with pytest.raises(Qwen35Error, match="fused must be"):
         generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, fused="yes")
-
-
-def test_fp16_rows_use_triton_products(tmp_path, rng):
-    """In fp16 the plan reads the plain Linear weights with the Triton products (grouped input
-    projections, SiLU-multiply fused into the down projection, logits): hidden states and logits
-    match the torch path within fp16 rounding."""
-    seed = random.randrange(10_000)
-    sd, d = make_tiny(seed, strength=0.3, vocab_size=64, hidden_size=64, num_hidden_layers=4)
-    sd = add_mtp(sd, d, seed + 1)
-    model = engine_model(sd, tmp_path, dtype=torch.float16)
-    b = bind(model)
-    plan, why = FusedPlan.build(b, "cpu", torch.float16)
-    assert plan is not None, why
-    assert {(0, "in"), (0, "out"), (0, "gate_up"), (0, "down"), (3, "in"), ("mtp", "fc"), "lm_head"} <= set(plan.lin)
-    runners = []
-    prompt = torch.randn(1, 7, d["hidden_size"], generator=rng).half()
-    for fused in (None, plan):
-        cache = ModelCache(b.config, batch=1, capacity=32, dtype=torch.float16, device="cpu", mtp=True)
-        r = Runner(b, cache, dtype=torch.float16, device="cpu", attention="torch", fused=fused)
-        r.forward(prompt, torch.arange(7).expand(3, 7), keep_rows=False)
-        cache.commit()
-        runners.append(r)
-    for rows in (1, 4):
-        x = torch.randn(1, rows, d["hidden_size"], generator=rng).half()
-        pos = torch.arange(7, 7 + rows).expand(3, rows)
-        want, got = runners[0].forward(x, pos)[0], runners[1].forward(x, pos)[0]
-        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 1e-2
-        lw, lg = runners[0].logits(want), runners[1].logits(got)
-        assert lg.dtype == torch.float32 and lg.shape == lw.shape
-        assert ((lg.double() - lw.double()).norm() / lw.double().norm()).item() < 2e-2
-        for r in runners:
-            r.cache.commit(0)
