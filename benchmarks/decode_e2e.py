@@ -8,12 +8,18 @@ the cache allocated for ``prompt + max_length``, for every max_length, attention
   decode, when installed), ``triton`` (ours);
 - MTP: ``off``; ``forced3`` (depth 3, every draft replaced by the token the target will choose, taken
   from the MTP-off run, so every draft is accepted: times draft + verify without a trained head;
-  the head still runs); ``mtp3`` (depth 3, the random head's own drafts: the normal acceptance path).
+  the head still runs; the model is built *decisive*, see ``build_model``, so that a 4-row verify
+  and a 1-row decode cannot round to different tokens); ``mtp3`` (depth 3, the random head's own
+  drafts: the normal acceptance path, here the all-rejected worst case);
+- fused decode kernels on (``generate(fused="auto")``) and/or off (the torch path).
 
 Reports tok/s, ms/token (decode only), peak VRAM, and the weight-read floor: bytes of every weight
-a decode step reads (all but the embedding table) / measured copy bandwidth.
+a decode step reads (all but the embedding table) / measured copy bandwidth. ``--steps`` also
+times single CUDA-graph steps (decode, 4-row verify, draft); ``--profile`` lists the kernels of an
+eager step; ``--trace N`` profiles the host side of a generation.
 
 Usage: python benchmarks/decode_e2e.py [--attention triton kitchen masked] [--max-lengths ...]
+                                        [--modes off forced3 mtp3] [--fused on off] [--steps] [--profile]
                                         [--tokens 2000] [--soak 200] [--json out.json] [--tiny (CPU dry run)]
        python benchmarks/decode_e2e.py --report runs.json   (README table of saved runs)
 """

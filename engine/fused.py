@@ -107,10 +107,11 @@ class FusedPlan:
                 if cfg.layer_types[i] == "linear_attention":
                     la = layer.linear_attn
                     norm(la.norm, f"layers.{i}.linear_attn.norm")
-                    conv = la.conv1d
-                    if getattr(conv, "comfy_cast_weights", False) or conv.weight.device != device or \
-                            getattr(conv, "bias", None) is not None:
-                        raise _Reject(f"layers.{i}.linear_attn.conv1d is cast per call, off the device or biased")
+                    conv, name = la.conv1d, f"layers.{i}.linear_attn.conv1d"
+                    if getattr(conv, "comfy_cast_weights", False) or getattr(conv, "weight_function", None):
+                        raise _Reject(f"ComfyUI casts or patches the weights of {name} per call")
+                    if conv.weight.device != device or getattr(conv, "bias", None) is not None:
+                        raise _Reject(f"{name} lives on {conv.weight.device} (not {device}) or has a bias")
                     convs[i] = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(dtype).contiguous()
                 else:
                     norm(layer.self_attn.q_norm, f"layers.{i}.self_attn.q_norm")

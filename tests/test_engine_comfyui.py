@@ -97,3 +97,32 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     with torch.no_grad():
         core_k = model.generate(emb.clone(), **kw)
     assert generate(model, emb, mtp="off", **kw).tokens == core_k
+
+
+def test_fused_path_on_comfyui_modules(comfy, rng):
+    """ComfyUI's own modules with weights used in place (``disable_weight_init`` ops, what ComfyUI
+    uses when weights need no cast): the fused plan accepts its norms, gated norm, conv and MLP and
+    gives the engine's torch-path tokens (CPU, Triton interpreter), with and without MTP; the torch
+    path itself equals core's tokens above (``manual_cast``). With ``manual_cast`` ops (weights cast
+    per call) the plan refuses, naming why."""
+    from qwen35_fast.engine.fused import FusedPlan
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    sd, d = make_tiny(seed, strength=0.5)
+    model = _comfy_model(comfy, sd, d, ops_name="disable_weight_init")
+    b = bind(model)
+    plan, why = FusedPlan.build(b, "cpu", torch.float32)
+    if plan is None and "Triton" in why:
+        pytest.skip(why)
+    assert plan is not None, why
+    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
+    model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, b.config)
+    emb = torch.randn(11, d["hidden_size"], generator=rng)
+    for mtp in ("off", 3):
+        kw = dict(do_sample=False, max_length=12, mtp=mtp, stop_tokens=[], execution_dtype=torch.float32,
+                  attention="torch")
+        fused = generate(model, emb, fused=True, **kw)
+        assert fused.tokens == generate(model, emb, fused=False, **kw).tokens, mtp
+    cast = _comfy_model(comfy, sd, d)
+    plan, why = FusedPlan.build(bind(cast), "cpu", torch.float32)
+    assert plan is None and "casts or patches" in why
