@@ -262,7 +262,9 @@ def profile_steps(model, prompt, *, attention: str, fused: bool, steps: int = 5,
 @torch.no_grad()
 def trace_generation(model, prompt, *, attention: str, tokens: int, top: int = 25) -> dict:
     """Host-side cost of a real greedy generation (MTP off, graphs on): the CPU ops that take the
-    most self time per token (torch profiler), and GPU kernel time against wall time."""
+    most self time per token (torch profiler), and GPU kernel time against wall time. CUDA activity
+    tracing instruments every graph node, so ``cudaGraphLaunch`` reads far slower here (1.1 ms for a
+    9B step on an H200) than untraced: compare with ``--steps``' synced step for the real cost."""
     from torch.profiler import ProfilerActivity, profile
 
     run_one(model, prompt, max_length=4096, tokens=16, attention=attention, mtp="off")  # compile, warm
