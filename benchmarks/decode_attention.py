@@ -36,29 +36,13 @@ from qwen35_fast.kernels import decode_attention  # noqa: E402
 from qwen35_fast.kernels import triton_decode as td  # noqa: E402
 from qwen35_fast.kernels.kitchen import kitchen_reason  # noqa: E402
 
+from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+
 HQ, HKV, D = 16, 4, 256
 LAYERS = 8
 CAPS = (4096, 16384, 32768, 65536, 131072, 262144)
 LENS = (128, 1024, 3000, 8192, 32768, 131072)
 ROWS = (1, 4, 6)
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    a.random_(0, 255)
-    times = []
-    for _ in range(12):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    del a, b
-    return 2 * n / statistics.median(times[2:])
 
 
 def graph_median_us(fn, replays: int = 60, warm: int = 5) -> float:

@@ -43,6 +43,8 @@ load_pack()
 from qwen35_fast.engine import Qwen35Config, generate  # noqa: E402
 from qwen35_fast.engine.modules import MTPHead, Qwen35ForGeneration, Qwen35TextModel  # noqa: E402
 
+from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+
 MAX_LENGTHS = (4096, 8192, 16256, 24000, 32768, 65536)
 
 
@@ -96,19 +98,6 @@ def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0) -> Qwen35ForGen
     if cfg.lm_head:
         model.lm_head.weight.copy_(model.embed_tokens.weight)
     return Qwen35ForGeneration(model).eval()
-
-
-def copy_bandwidth(device) -> float:
-    """Device copy bandwidth in bytes/s (read + write counted)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (time.perf_counter() - t0)
 
 
 class _Enough(Exception):
@@ -370,7 +359,7 @@ def main() -> None:
     model = build_model(cfg, device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if not n.startswith("model.mtp.") and "embed_tokens" not in n)
-    bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    bw = copy_bandwidth() if device.type == "cuda" else float("nan")
     floor_ms = weight_bytes / bw * 1e3
     name = "cpu" if args.tiny else torch.cuda.get_device_name(0)
     print(f"# {name}, torch {torch.__version__}; weights read per decode step {weight_bytes / 1e9:.2f} GB, "

@@ -23,21 +23,10 @@ from _standalone import load_pack  # noqa: E402
 load_pack()
 from qwen35_fast.kernels.deltanet_step import _config, gated_delta_step  # noqa: E402
 
+from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+
 CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]
 HK, HV, DK, DV, K = 16, 32, 128, 128, 4
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def time_config(rows: int, config, n: int = 48, reps: int = 50) -> float:

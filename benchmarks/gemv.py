@@ -23,25 +23,14 @@ from _standalone import load_pack  # noqa: E402
 load_pack()
 from qwen35_fast.kernels.gemv import _config, gemv  # noqa: E402
 
+from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+
 # (name, N, K, uses per decode step of the 9B model)
 SHAPES = [("deltanet qkv", 8192, 4096, 24), ("deltanet z / out, attn o", 4096, 4096, 56),
           ("deltanet a / b", 32, 4096, 48), ("mlp gate / up", 12288, 4096, 64), ("mlp down", 4096, 12288, 32),
           ("attn q", 8192, 4096, 8), ("attn k / v", 1024, 4096, 16), ("lm_head", 248320, 4096, 1)]
 CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (32, 128, 4, 5), (64, 256, 4, 4),
            (64, 128, 8, 4), (128, 128, 8, 3)]
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (s.elapsed_time(e) / 1e3)
 
 
 def timed(fn, weights, x, reps: int = 30) -> float:
