@@ -36,6 +36,14 @@ class _Reject(Exception):
     pass
 
 
+def _resident(mod, name: str, device: torch.device) -> None:
+    """Reject a module whose weight ComfyUI casts or patches per call, or that lives off ``device``."""
+    if getattr(mod, "comfy_cast_weights", False) or getattr(mod, "weight_function", None):
+        raise _Reject(f"ComfyUI casts or patches the weights of {name} per call")
+    if mod.weight.device != device:
+        raise _Reject(f"weight of {name} lives on {mod.weight.device}, not {device}")
+
+
 def _norm_weight(mod, dtype: torch.dtype, device: torch.device, comfy: bool, name: str) -> tuple[torch.Tensor, float]:
     """The effective float32 weight ``[dim]`` and eps of a (1 + w) / w RMSNorm module."""
     cls = type(mod).__name__
@@ -44,10 +52,7 @@ def _norm_weight(mod, dtype: torch.dtype, device: torch.device, comfy: bool, nam
     w, eps, add = getattr(mod, "weight", None), getattr(mod, "eps", None), getattr(mod, "add", None)
     if not isinstance(w, torch.Tensor) or not isinstance(eps, float) or not isinstance(add, bool):
         raise _Reject(f"{name} ({cls}) lacks a weight tensor, a float eps or the add flag")
-    if getattr(mod, "comfy_cast_weights", False) or getattr(mod, "weight_function", None):
-        raise _Reject(f"ComfyUI casts or patches the weights of {name} per call")
-    if w.device != device:
-        raise _Reject(f"weight of {name} lives on {w.device}, not {device}")
+    _resident(mod, name, device)
     w = w.detach()
     if comfy:  # llama.RMSNorm: (w + 1) in the weight's dtype, cast to the input's dtype
         eff = (w + 1.0 if add else w).to(dtype).float()
@@ -108,10 +113,9 @@ class FusedPlan:
                     la = layer.linear_attn
                     norm(la.norm, f"layers.{i}.linear_attn.norm")
                     conv, name = la.conv1d, f"layers.{i}.linear_attn.conv1d"
-                    if getattr(conv, "comfy_cast_weights", False) or getattr(conv, "weight_function", None):
-                        raise _Reject(f"ComfyUI casts or patches the weights of {name} per call")
-                    if conv.weight.device != device or getattr(conv, "bias", None) is not None:
-                        raise _Reject(f"{name} lives on {conv.weight.device} (not {device}) or has a bias")
+                    _resident(conv, name, device)
+                    if getattr(conv, "bias", None) is not None:
+                        raise _Reject(f"{name} has a bias")
                     convs[i] = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(dtype).contiguous()
                 else:
                     norm(layer.self_attn.q_norm, f"layers.{i}.self_attn.q_norm")
