@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _standalone import load_pack  # noqa: E402
 
 pack = load_pack()
+from qwen35_fast.kernels import attention_triton as td  # noqa: E402
 from qwen35_fast.kernels import decode_attention  # noqa: E402
-from qwen35_fast.kernels import triton_decode as td  # noqa: E402
-from qwen35_fast.kernels.kitchen import kitchen_reason  # noqa: E402
+from qwen35_fast.kernels.attention_kitchen import kitchen_reason  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 

@@ -135,10 +135,10 @@ def run_one(model, prompt, *, max_length, tokens, attention, mtp, drafts=None, f
 def _engine(model, prompt, *, attention: str, fused: bool, capacity: int, graphs: bool = True):
     """A prefilled cache and a (graph) runner over it, as ``generate`` builds them."""
     from qwen35_fast.engine.binding import bind
+    from qwen35_fast.engine.cache import ModelCache
     from qwen35_fast.engine.forward import Runner
     from qwen35_fast.engine.fused import FusedPlan
     from qwen35_fast.engine.graphs import GraphRunner
-    from qwen35_fast.patches.cache import ModelCache
 
     binding = bind(model)
     device, dtype, t = prompt.device, prompt.dtype, prompt.shape[1]

@@ -5,7 +5,7 @@ from .binding import Qwen35Binding, bind
 from .config import Qwen35Config
 from .errors import Qwen35Error
 from .generation import GenerationResult, GenerationStats, generate
-from .loader import build_mtp_head, load_standalone
+from .standalone_loader import build_mtp_head, load_standalone
 
 __all__ = [
     "GenerationResult",

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checkpoint_keys import canonical_map
 from .errors import Qwen35Error
-from .layout import canonical_map
 
 #: Stop tokens of the released tokenizer: ``<|endoftext|>`` and ``<|im_end|>``.
 RELEASED_STOP_TOKENS = (248044, 248046)

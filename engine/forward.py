@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cache import DeltaNetState, KVCache, ModelCache
 from ..kernels import decode_attention
-from ..kernels.api import MAX_ROWS
-from ..patches.cache import DeltaNetState, KVCache, ModelCache
+from ..kernels.attention import MAX_ROWS
 from .binding import Qwen35Binding
 from .deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
 from .fused import FusedPlan

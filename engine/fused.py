@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.api import _interpreting
+from ..kernels.attention import _interpreting
 
 _NORM_CLASSES = ("RMSNorm",)
 _GATED_CLASSES = ("RMSNormGated",)

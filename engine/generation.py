@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import ModelCache
 from ..kernels import resolve_backend
-from ..kernels.api import BACKENDS, triton_reason
-from ..kernels.kitchen import kitchen_reason
-from ..patches.cache import ModelCache
+from ..kernels.attention import BACKENDS, triton_reason
+from ..kernels.attention_kitchen import kitchen_reason
 from .binding import Qwen35Binding, bind
 from .errors import Qwen35Error
 from .forward import Runner

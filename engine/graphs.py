@@ -14,9 +14,9 @@ import logging
 
 import torch
 
+from .cache import DeltaNetState, KVCache
 from ..kernels import GRAPH_SAFE, resolve_backend
-from ..kernels.api import MAX_ROWS
-from ..patches.cache import DeltaNetState, KVCache
+from ..kernels.attention import MAX_ROWS
 from .errors import Qwen35Error
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from .enhancer import Qwen35PromptEnhancer
-from .loader import Qwen35CLIPLoader
+from .enhancer_node import Qwen35PromptEnhancer
+from .loader_node import Qwen35CLIPLoader
 from .patch_node import Qwen35LengthAwarePatch
 
 NODES = [Qwen35CLIPLoader, Qwen35PromptEnhancer, Qwen35LengthAwarePatch]

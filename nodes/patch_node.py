@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..engine.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
 from ..patches.clip_patch import patch_clip
+from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
 
 
 class Qwen35LengthAwarePatch(io.ComfyNode):

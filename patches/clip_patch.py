@@ -21,7 +21,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..engine import comfy_bridge as bridge
+from . import comfy_bridge as bridge
 
 log = logging.getLogger(__name__)
 

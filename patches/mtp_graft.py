@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..engine import comfy_bridge as bridge
+from . import comfy_bridge as bridge
 
 log = logging.getLogger(__name__)
 

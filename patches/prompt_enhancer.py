@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..engine import comfy_bridge as bridge
-from ..engine.pe import get_preset, parse_answer, size_for_ratio, split_thinking
 from . import clip_patch
+from . import comfy_bridge as bridge
+from .enhancer_answer import get_preset, parse_answer, size_for_ratio, split_thinking
 
 log = logging.getLogger(__name__)
 

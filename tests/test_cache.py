@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 from qwen35_fast.engine import Qwen35Error
+from qwen35_fast.engine.cache import DeltaNetState, KVCache, ModelCache
 from qwen35_fast.engine.deltanet import gates, prepare_qkv, recurrent_rows
-from qwen35_fast.patches.cache import DeltaNetState, KVCache, ModelCache
 
 from tests.oracles.tiny import make_tiny
 

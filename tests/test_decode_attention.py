@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
+from qwen35_fast.kernels import attention_triton as td
 from qwen35_fast.kernels import decode_attention
-from qwen35_fast.kernels import triton_decode as td
 
 LENGTH_AWARE = ("torch", "triton")
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
@@ -207,7 +207,7 @@ def reference_f64_gpu(q, k, v, lengths, causal):
 
 
 def _gpu_backends(q):
-    from qwen35_fast.kernels.kitchen import kitchen_reason
+    from qwen35_fast.kernels.attention_kitchen import kitchen_reason
 
     return ["triton", "torch", "masked"] + (["kitchen"] if kitchen_reason(q, q.shape[-1] ** -0.5) is None
                                             else [])

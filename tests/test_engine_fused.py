@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 from qwen35_fast.engine import bind, generate
+from qwen35_fast.engine.cache import DeltaNetState, ModelCache
 from qwen35_fast.engine.errors import Qwen35Error
 from qwen35_fast.engine.forward import Runner
 from qwen35_fast.engine.fused import FusedPlan
-from qwen35_fast.patches.cache import DeltaNetState, ModelCache
 
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny
 

@@ -8,8 +8,8 @@ import pytest
 import qwen35_fast.engine.generation as generation
 import torch
 from qwen35_fast.engine import Qwen35Error, bind, generate
+from qwen35_fast.engine.cache import DeltaNetState, KVCache
 from qwen35_fast.engine.forward import Runner
-from qwen35_fast.patches.cache import DeltaNetState, KVCache
 
 from tests.oracles.reference import Reference
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny

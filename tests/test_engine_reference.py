@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from qwen35_fast.engine import bind, generate
+from qwen35_fast.engine.cache import ModelCache
 from qwen35_fast.engine.deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
 from qwen35_fast.engine.forward import Runner
 from qwen35_fast.engine.generation import _Positions
 from qwen35_fast.engine.rope import normalize_positions
-from qwen35_fast.patches.cache import ModelCache
 
 from tests.oracles.reference import Reference
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from qwen35_fast.engine import bind, generate
+from qwen35_fast.engine.cache import DeltaNetState, ModelCache
 from qwen35_fast.engine.forward import Runner
-from qwen35_fast.patches.cache import DeltaNetState, ModelCache
 
 from tests.oracles.tiny import engine_model, make_tiny
 

@@ -28,13 +28,13 @@ import comfy_execution.utils as exec_utils  # noqa: E402
 import folder_paths  # noqa: E402
 import qwen35_fast.engine as engine_pkg  # noqa: E402
 import server  # noqa: E402
-from qwen35_fast.engine import comfy_bridge as bridge  # noqa: E402
 from qwen35_fast.engine.errors import Qwen35Error  # noqa: E402
 from qwen35_fast.nodes import extension  # noqa: E402
-from qwen35_fast.nodes.enhancer import Qwen35PromptEnhancer  # noqa: E402
-from qwen35_fast.nodes.loader import Qwen35CLIPLoader  # noqa: E402
+from qwen35_fast.nodes.enhancer_node import Qwen35PromptEnhancer  # noqa: E402
+from qwen35_fast.nodes.loader_node import Qwen35CLIPLoader  # noqa: E402
 from qwen35_fast.nodes.patch_node import Qwen35LengthAwarePatch  # noqa: E402
 from qwen35_fast.patches import clip_patch, mtp_graft  # noqa: E402
+from qwen35_fast.patches import comfy_bridge as bridge  # noqa: E402
 
 SPECIAL = {"<|im_start|>": 248045, "<|im_end|>": 248046, "<|endoftext|>": 248044, "<think>": 248068,
            "</think>": 248069, "<|image_pad|>": 248056, "<|vision_start|>": 248053, "<|vision_end|>": 248054}
@@ -208,7 +208,7 @@ class ScriptedEngine:
 def scripted(monkeypatch):
     def install(reply="ok", interrupt_at=None):
         eng = ScriptedEngine(reply, interrupt_at)
-        monkeypatch.setattr(bridge, "_engine_generate", lambda: eng)
+        monkeypatch.setattr(bridge, "generate", eng)
         return eng
     mm.interrupt_current_processing(False)
     server.PromptServer.instance.texts.clear()

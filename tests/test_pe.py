@@ -10,7 +10,7 @@ import math
 import random
 
 import pytest
-from qwen35_fast.engine.pe import (
+from qwen35_fast.patches.enhancer_answer import (
     PRESETS,
     PEResult,
     get_preset,

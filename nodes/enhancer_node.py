@@ -6,7 +6,7 @@ import logging
 
 from comfy_api.latest import io
 
-from ..engine.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
+from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
 from ..patches.prompt_enhancer import MAX_LENGTH_LIMIT, PRESET_NAMES, enhance
 
 log = logging.getLogger(__name__)

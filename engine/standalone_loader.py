@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
+from .checkpoint_keys import canonical_map, layout_name
 from .config import Qwen35Config
 from .errors import Qwen35Error
-from .layout import canonical_map, layout_name
 from .modules import MTPHead, Qwen35ForGeneration, Qwen35TextModel
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.errors import Qwen35Error
+from .errors import Qwen35Error
 
 
 class KVCache:

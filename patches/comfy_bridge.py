@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine import generate
+
 log = logging.getLogger(__name__)
 
 #: Key under ``clip.patcher.model_options`` where the pack records what it knows about a CLIP.
@@ -297,13 +299,6 @@ def default_execution_dtype(device):
     return torch.float32
 
 
-def _engine_generate():
-    """The engine's public ``generate`` (looked up at call time on the ``engine`` package)."""
-    import sys
-
-    return sys.modules[__package__].generate
-
-
 def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int, temperature: float,
                top_k: int, top_p: float, min_p: float, repetition_penalty: float, seed, presence_penalty: float,
                mtp="auto", attention: str = "auto", position_ids=None, stop_tokens=None, initial_tokens=(),
@@ -313,7 +308,6 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
     Arguments follow core ``BaseGenerate.generate``; ``seed=None`` (core's greedy call) means 0.
     Returns the token ids as a ``TokenList`` carrying the engine stats.
     """
-    generate = _engine_generate()
     if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
         raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
     if stop_tokens is None:

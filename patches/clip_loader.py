@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ..engine import comfy_bridge as bridge
+from . import comfy_bridge as bridge
 from . import mtp_graft
 
 log = logging.getLogger(__name__)

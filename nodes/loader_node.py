@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..patches.loader import NO_MTP_FILE, load_qwen35_clip
+from ..patches.clip_loader import NO_MTP_FILE, load_qwen35_clip
 
 
 class Qwen35CLIPLoader(io.ComfyNode):

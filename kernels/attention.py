@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from .kitchen import kitchen_decode_attention, kitchen_reason
-from .reference import masked_decode_attention, torch_decode_attention
+from .attention_kitchen import kitchen_decode_attention, kitchen_reason
+from .attention_torch import masked_decode_attention, torch_decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +23,10 @@ MAX_ROWS = 8
 @functools.lru_cache(maxsize=1)
 def _triton_module():
     try:
-        from . import triton_decode
+        from . import attention_triton
     except Exception as exc:  # no triton wheel for this platform, or a broken install
         return None, f"Triton is not usable here ({type(exc).__name__}: {exc})"
-    return triton_decode, None
+    return attention_triton, None
 
 
 def _interpreting() -> bool:
