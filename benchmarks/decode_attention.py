@@ -37,6 +37,7 @@ from qwen35_fast.kernels import decode_attention  # noqa: E402
 from qwen35_fast.kernels.attention_kitchen import kitchen_reason  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+from benchmarks.timing import graph_replay_us  # noqa: E402
 
 HQ, HKV, D = 16, 4, 256
 LAYERS = 8
@@ -45,28 +46,9 @@ LENS = (128, 1024, 3000, 8192, 32768, 131072)
 ROWS = (1, 4, 6)
 
 
-def graph_median_us(fn, replays: int = 60, warm: int = 5) -> float:
+def graph_median_us(fn, replays: int = 60) -> float:
     """Capture fn() (8 layer calls) once; median microseconds per layer call over timed replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(warm):
-        graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    del graph
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3 / LAYERS
+    return graph_replay_us(fn, calls=LAYERS, replays=replays)
 
 
 def make_layers(cap: int):

@@ -40,10 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _standalone import load_pack  # noqa: E402
 
 load_pack()
-from qwen35_fast.engine import Qwen35Config, generate  # noqa: E402
+from qwen35_fast.engine import Qwen35Config, bind, build_runner, generate  # noqa: E402
 from qwen35_fast.engine.modules import MTPHead, Qwen35ForGeneration, Qwen35TextModel  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+from benchmarks.timing import back_to_back_ms  # noqa: E402
 
 MAX_LENGTHS = (4096, 8192, 16256, 24000, 32768, 65536)
 
@@ -133,29 +134,19 @@ def run_one(model, prompt, *, max_length, tokens, attention, mtp, drafts=None, f
 
 
 def _engine(model, prompt, *, attention: str, fused: bool, capacity: int, graphs: bool = True):
-    """A prefilled cache and a (graph) runner over it, as ``generate`` builds them."""
-    from qwen35_fast.engine.binding import bind
-    from qwen35_fast.engine.cache import ModelCache
-    from qwen35_fast.engine.forward import Runner
-    from qwen35_fast.engine.fused import FusedPlan
-    from qwen35_fast.engine.graphs import GraphRunner
-
+    """A prefilled cache and a (graph) runner over it, built by ``generate``'s own ``build_runner``."""
     binding = bind(model)
     device, dtype, t = prompt.device, prompt.dtype, prompt.shape[1]
-    cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=True)
-    plan = None
-    if fused:
-        plan, why = FusedPlan.build(binding, device, dtype)
-        if plan is None:
-            raise ValueError(f"fused path unavailable: {why}")
-    runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
+    runner = build_runner(binding, capacity=capacity, dtype=dtype, device=device, attention=attention, mtp=True,
+                          fused=fused, cuda_graphs=graphs and device.type == "cuda")
+    cache = runner.cache
     pos = torch.arange(t, device=device).expand(3, t)
     with torch.no_grad():
         runner.forward(prompt, pos, keep_rows=False)
         cache.commit()
         runner.mtp_forward(prompt, prompt, pos)
         cache.mtp.commit()
-    return binding, cache, GraphRunner(runner) if graphs and device.type == "cuda" else runner
+    return binding, cache, runner
 
 
 @torch.no_grad()
@@ -169,18 +160,7 @@ def step_times(model, prompt, *, attention: str, fused: bool, rows=(1, 4), iters
     cuda = device.type == "cuda"
 
     def timed(fn):
-        fn()  # capture
-        if not cuda:
-            t0 = time.perf_counter()
-            fn()
-            return 1e3 * (time.perf_counter() - t0)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-        ev[0].record()
-        for i in range(iters):
-            fn()
-            ev[i + 1].record()
-        torch.cuda.synchronize()
-        return sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))[iters // 2]
+        return back_to_back_ms(fn, iters=iters)
 
     out = {}
     for r in rows:

@@ -24,6 +24,7 @@ load_pack()
 from qwen35_fast.kernels.deltanet_step import _config, gated_delta_step  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+from benchmarks.timing import graph_replay_us  # noqa: E402
 
 CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]
 HK, HV, DK, DV, K = 16, 32, 128, 128, 4
@@ -49,19 +50,7 @@ def time_config(rows: int, config, n: int = 48, reps: int = 50) -> float:
             gated_delta_step(qkv, z, a, b, conv, w, neg_a, dt_bias, st, nw, 1e-6, key_heads=HK,
                              states_out=so, config=config)
 
-    launch_all()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch_all()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    return sorted(times)[reps // 2]
+    return graph_replay_us(launch_all, calls=n, replays=reps, warm=1, warm_replays=0)
 
 
 def main() -> None:

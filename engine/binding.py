@@ -3,13 +3,17 @@
 The binding only finds modules and checks that they are Qwen3.5; it never copies weights. It
 calls the tree's own Linear / Embedding / norm modules, so ComfyUI's quantized ops, weight
 casting and offloading keep working. The one weight read directly is the tied output projection
-(``embed_tokens`` used as ``lm_head``), done the way ComfyUI's ``BaseGenerate.logits`` does it.
+(``embed_tokens`` used as ``lm_head``): where the application casts weights per call, its layer
+hands ``bind`` a ``weight_cast`` hook (ComfyUI's: ``patches.comfy_bridge.comfy_weight_cast``,
+the way ComfyUI's ``BaseGenerate.logits`` does it); the engine imports nothing of ComfyUI.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -19,6 +23,9 @@ from .config import Qwen35Config
 from .errors import Qwen35Error
 
 log = logging.getLogger(__name__)
+
+#: ``weight_cast(module, h)`` -> context manager yielding the cast weight, or None (see ``bind``).
+WeightCast = Callable[[Any, torch.Tensor], AbstractContextManager]
 
 _LINEAR_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm",
                  "out_proj")
@@ -38,11 +45,12 @@ class Qwen35Binding:
     ``lm_head``), ``root`` (what was passed to ``bind``), ``config`` (``Qwen35Config``), ``layers``
     (the decoder layers), ``is_comfy`` (modules come from ComfyUI's ops). ``mtp_hidden`` selects
     the hidden state fed to the MTP head: "normed" (after the model's final norm; vLLM/SGLang
-    convention, default) or "prenorm".
+    convention, default) or "prenorm". ``weight_cast``: see ``bind``.
     """
 
-    def __init__(self, transformer: Any, root: Any, config: Qwen35Config):
+    def __init__(self, transformer: Any, root: Any, config: Qwen35Config, weight_cast: WeightCast | None = None):
         self.transformer = transformer
+        self.weight_cast = weight_cast
         self.root = root
         self.config = config
         self.layers = list(transformer.layers)
@@ -92,8 +100,10 @@ class Qwen35Binding:
         if head is not None:
             return head(h).float()
         module = self.transformer.embed_tokens
-        if getattr(module, "comfy_cast_weights", False):
-            return _comfy_tied_logits(module, h).float()
+        if self.weight_cast is not None:
+            with self.weight_cast(module, h) as weight:
+                if weight is not None:
+                    return F.linear(h, weight, None).float()
         w = module.weight
         if w.dtype != h.dtype or w.device != h.device:
             w = w.to(h)
@@ -110,34 +120,14 @@ class Qwen35Binding:
             return None
         key = (id(module), h.dtype)  # weights do not change within one generation
         if self._held is None or self._held[0] != key:
-            if getattr(module, "comfy_cast_weights", False):
-                weight = _comfy_cast_weight(module, h)
-            else:
+            weight = None
+            if self.weight_cast is not None:
+                with self.weight_cast(module, h) as cast:
+                    weight = cast
+            if weight is None:
                 weight = w if w.dtype == h.dtype else w.to(h.dtype)
             self._held = (key, weight.detach())
         return self._held[1]
-
-
-def _comfy_cast_weight(module, h: torch.Tensor) -> torch.Tensor:
-    """``module``'s weight as ComfyUI's ops cast it for ``h`` (its dtype and device)."""
-    import comfy.ops
-
-    res = comfy.ops.cast_bias_weight(module, h, offloadable=True)
-    if len(res) > 2 and hasattr(comfy.ops, "uncast_bias_weight"):
-        comfy.ops.uncast_bias_weight(module, res[0], None, res[2])
-    return res[0]
-
-
-def _comfy_tied_logits(module, h: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's tied-embedding logits with its weight casting/offloading (BaseGenerate.logits)."""
-    import comfy.ops
-
-    res = comfy.ops.cast_bias_weight(module, h, offloadable=True)
-    weight = res[0]
-    out = F.linear(h, weight, None)
-    if len(res) > 2 and hasattr(comfy.ops, "uncast_bias_weight"):
-        comfy.ops.uncast_bias_weight(module, weight, None, res[2])
-    return out
 
 
 def _missing(obj: Any, names) -> list[str]:
@@ -185,13 +175,20 @@ def _config_of(transformer: Any) -> Qwen35Config:
     return Qwen35Config.from_state_dict(shapes)
 
 
-def bind(module: Any) -> Qwen35Binding:
+def bind(module: Any, *, weight_cast: WeightCast | None = None) -> Qwen35Binding:
     """Bind a Qwen3.5 tree: ComfyUI's ``Qwen35`` (BaseGenerate) instance, its ``.model``
-    (``Qwen35Transformer``), the standalone loader's model, or an existing binding (returned as is).
+    (``Qwen35Transformer``), the standalone loader's model, or an existing binding (returned as is;
+    a ``weight_cast`` given then is set on it).
+
+    ``weight_cast(module, h)``: a context manager yielding ``module``'s weight cast for ``h`` (its
+    dtype and device) when the application casts that module's weights per call, else None; the
+    weight is used inside the block. Without it weights are read as they are (``.to(h)``).
 
     Raises Qwen35Error (naming the missing part) when the tree is not Qwen3.5.
     """
     if isinstance(module, Qwen35Binding):
+        if weight_cast is not None:
+            module.weight_cast = weight_cast
         return module
     if _is_decoder(module):
         transformer = module
@@ -209,7 +206,7 @@ def bind(module: Any) -> Qwen35Binding:
     if kinds != config.layer_types:
         raise Qwen35Error("the layers' kinds (linear_attn / self_attn) disagree with config.layer_types")
     _check_layers(layers, config)
-    binding = Qwen35Binding(transformer, module, config)
+    binding = Qwen35Binding(transformer, module, config, weight_cast)
     if binding.mtp is not None:
         binding.config = config.replace(mtp_num_hidden_layers=1)
     return binding

@@ -12,9 +12,17 @@ DeltaNet restore: the verify forward keeps the recurrent state after every one o
 pre-verify state, recompute the kept rows after acceptance) costs the same recurrence again for
 every partly accepted step and is measured in the tests; snapshots are never slower and need no
 second pass, so they are what the engine uses.
+
+The cache owns its bookkeeping: ``ModelCache`` allocates the fused path's staging buffers
+(``staging_buffers``), stages every DeltaNet layer at once (``stage_deltanet``, one
+``StagedDeltaRows`` record), commits or discards, and saves / restores what a CUDA-graph capture
+staged (``save_staged`` / ``drop_staged`` / ``restore_staged``). Nothing outside this module
+touches the private fields.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -144,6 +152,12 @@ class DeltaNetState:
             self.conv.copy_(self._window[..., n:n + self.kernel - 1])
         self._states, self._window, self._rows = None, None, 0
 
+    def _saved(self) -> tuple:
+        return self._states, self._window, self._rows
+
+    def _put(self, saved: tuple) -> None:
+        self._states, self._window, self._rows = saved
+
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of (recurrent, conv)."""
         return self.recurrent.clone(), self.conv.clone()
@@ -153,6 +167,21 @@ class DeltaNetState:
         self.recurrent.copy_(snap[0])
         self.conv.copy_(snap[1])
         self._states, self._window, self._rows = None, None, 0
+
+
+@dataclass
+class StagedDeltaRows:
+    """What ``ModelCache.stage_deltanet`` staged for every DeltaNet layer at once.
+
+    ``states`` float32 ``[n_delta,S,B,Hv,Dk,Dv]`` (the state after each row), ``windows``
+    ``[n_delta,B,C,K-1+S]`` (conv inputs), ``rows`` = S, and ``views``: the per-layer views handed
+    to each ``DeltaNetState.stage`` (if a layer was restaged since, the record no longer applies).
+    """
+
+    states: torch.Tensor
+    windows: torch.Tensor
+    rows: int
+    views: list
 
 
 class ModelCache:
@@ -193,15 +222,26 @@ class ModelCache:
                 j += 1
         self.mtp = kv() if mtp else None
         self._first_kv = next(x for x in self.layers if isinstance(x, KVCache))
-        self.group: tuple | None = None  # (states, windows, rows, per-layer views) of stage_group
+        self._staged_delta: StagedDeltaRows | None = None
 
-    def stage_group(self, states: torch.Tensor, windows: torch.Tensor, rows: int) -> None:
-        """Stage ``rows`` rows of every DeltaNet layer at once: ``states`` float32
-        ``[n_delta,S,B,Hv,Dk,Dv]`` (state after each row), ``windows`` ``[n_delta,B,C,K-1+S]``."""
+    # ------------------------------------------------------------------ staging
+    def staging_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty buffers for ``rows`` rows of every DeltaNet layer, for ``stage_deltanet``: states
+        float32 ``[n_delta,S,B,Hv,Dk,Dv]`` and conv windows ``[n_delta,B,C,K-1+S]``."""
+        b, conv_dim, k1 = self.conv.shape[1:]
+        states = torch.empty(self.recurrent.shape[0], rows, *self.recurrent.shape[1:], dtype=torch.float32,
+                             device=self.recurrent.device)
+        windows = torch.empty(self.conv.shape[0], b, conv_dim, k1 + rows, dtype=self.conv.dtype,
+                              device=self.conv.device)
+        return states, windows
+
+    def stage_deltanet(self, states: torch.Tensor, windows: torch.Tensor, rows: int) -> None:
+        """Stage ``rows`` rows of every DeltaNet layer at once (buffers from ``staging_buffers``,
+        filled); ``commit`` then applies them with one copy for all layers."""
         deltas = self.delta_states()
         for j, st in enumerate(deltas):
             st.stage(states[j], windows[j], rows)
-        self.group = (states, windows, rows, [st._states for st in deltas])
+        self._staged_delta = StagedDeltaRows(states, windows, rows, [st._states for st in deltas])
 
     @property
     def length(self) -> int:
@@ -210,10 +250,10 @@ class ModelCache:
 
     def commit(self, n: int | None = None) -> None:
         """Keep the first n staged rows in every main layer (default all)."""
-        group, self.group = self.group, None
+        staged, self._staged_delta = self._staged_delta, None
         deltas = self.delta_states()
-        if group is not None and all(st._states is view for st, view in zip(deltas, group[3])):
-            states, windows, rows, _ = group
+        if staged is not None and all(st._states is view for st, view in zip(deltas, staged.views)):
+            states, windows, rows = staged.states, staged.windows, staged.rows
             n = rows if n is None else n
             if not 0 <= n <= rows:
                 raise Qwen35Error(f"DeltaNetState.commit: cannot keep {n} of {rows} staged rows")
@@ -221,10 +261,58 @@ class ModelCache:
                 self.recurrent.copy_(states[:, n - 1])
                 self.conv.copy_(windows[..., n:n + self.kernel - 1])
             for st in deltas:
-                st._states, st._window, st._rows = None, None, 0
+                st._put((None, None, 0))
         for layer in self.layers:
             if isinstance(layer, KVCache) or layer.staged:
                 layer.commit(n)
+
+    def discard(self) -> None:
+        """Drop every staged row of the main model (``commit(0)``)."""
+        self.commit(0)
+
+    # ------------------------------------------------------------------ CUDA-graph support
+    def _part(self, part: str) -> list:
+        if part not in ("main", "mtp"):
+            raise Qwen35Error(f"cache part must be 'main' or 'mtp', got {part!r}")
+        return [self.mtp] if part == "mtp" else self.layers
+
+    def check_room(self, part: str, rows: int) -> None:
+        """Qwen35Error unless ``rows`` new rows can be staged in ``part`` ("main" or "mtp") now."""
+        for st in self._part(part):
+            if st.staged:
+                raise Qwen35Error("graph step: staged rows not committed; call commit(n) first")
+            if isinstance(st, KVCache) and st.host_length + rows > st.capacity:
+                raise Qwen35Error(f"KV cache overflow: {st.host_length} filled + {rows} new rows > capacity "
+                                  f"{st.capacity}; allocate the cache for prompt + max_length (+ MTP depth + 1)")
+
+    def save_staged(self, part: str) -> tuple:
+        """What a forward over ``part`` staged (host side), for ``restore_staged`` after a replay."""
+        saved = [st._saved() if isinstance(st, DeltaNetState) else st.staged for st in self._part(part)]
+        return part, saved, (self._staged_delta if part == "main" else None)
+
+    def drop_staged(self, part: str, *, lengths_moved: bool) -> None:
+        """Forget what a warm-up (``lengths_moved``: it advanced the device lengths) or a capture
+        (recorded only: the device lengths did not move) staged in ``part``; committed state stays."""
+        if part == "main":
+            self._staged_delta = None
+        for st in self._part(part):
+            if isinstance(st, DeltaNetState):
+                st._put((None, None, 0))
+            elif st.staged:
+                if lengths_moved:
+                    st.length.sub_(st.staged)
+                st.staged = 0
+
+    def restore_staged(self, saved: tuple) -> None:
+        """Re-apply ``save_staged``'s record: a graph replay staged the same rows on the device."""
+        part, states, delta = saved
+        if part == "main":
+            self._staged_delta = delta
+        for st, value in zip(self._part(part), states):
+            if isinstance(st, DeltaNetState):
+                st._put(value)
+            else:
+                st.staged = value
 
     def delta_states(self) -> list[DeltaNetState]:
         return [x for x in self.layers if isinstance(x, DeltaNetState)]

@@ -12,15 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cache import DeltaNetState, KVCache, ModelCache
-from ..kernels import decode_attention
-from ..kernels.attention import MAX_ROWS
+from ..kernels import HEAD_DIMS, MAX_DECODE_ROWS, decode_attention
 from .binding import Qwen35Binding
+from .cache import DeltaNetState, KVCache, ModelCache
 from .deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
 from .fused import FusedPlan
 from .rope import Rope, apply_rope
 
-_KERNEL_HEAD_DIMS = (64, 128, 256)
 #: Longest input whose DeltaNet rows run one by one (longer inputs use the chunked form).
 ROWWISE_MAX = 16
 
@@ -47,7 +45,7 @@ class Runner:
 
     def __init__(self, binding: Qwen35Binding, cache: ModelCache, *, dtype: torch.dtype, device,
                  attention: str = "auto", fused: FusedPlan | None = None):
-        self.b = binding
+        self.binding = binding
         self.fused = fused  # S <= 8 rows run through the fused kernels when given (FusedPlan.build)
         self.cfg = binding.config
         self.cache = cache
@@ -72,9 +70,9 @@ class Runner:
         than S rows); without it long inputs use the chunked recurrence.
         """
         cos, sin = self.rope.tables(pos)
-        if self.fused is not None and x.shape[1] <= MAX_ROWS:
+        if self.fused is not None and x.shape[1] <= MAX_DECODE_ROWS:
             return self._forward_fused(x, cos, sin)
-        for i, layer in enumerate(self.b.layers):
+        for i, layer in enumerate(self.binding.layers):
             state = self.cache.layers[i]
             xn = layer.input_layernorm(x)
             if isinstance(state, DeltaNetState):
@@ -83,19 +81,16 @@ class Runner:
                 mixed = self._attention(layer.self_attn, xn, state, cos, sin)
             x = x + mixed
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.b.transformer.norm(x), x
+        return self.binding.transformer.norm(x), x
 
     def _forward_fused(self, x: torch.Tensor, cos, sin):
         """``forward`` for S <= 8 rows through the fused kernels (same contract, rows always kept)."""
         plan, cfg = self.fused, self.cfg
-        b, s, _ = x.shape
-        deltas = self.cache.delta_states()
+        s = x.shape[1]
         # Every DeltaNet layer's per-row states and conv window, staged together for one commit copy.
-        states = torch.empty(len(deltas), s, *deltas[0].recurrent.shape, dtype=torch.float32, device=x.device)
-        conv = deltas[0].conv
-        windows = torch.empty(len(deltas), b, conv.shape[1], conv.shape[2] + s, dtype=conv.dtype, device=x.device)
+        states, windows = self.cache.staging_buffers(s)
         j, mixed = 0, None
-        for i, layer in enumerate(self.b.layers):
+        for i, layer in enumerate(self.binding.layers):
             state = self.cache.layers[i]
             xn, x = plan.norm(f"layers.{i}.input_layernorm", x, mixed)
             if isinstance(state, DeltaNetState):
@@ -107,7 +102,7 @@ class Runner:
                 mixed = self._attention_fused(f"layers.{i}.self_attn", layer.self_attn, xn, state, cos, sin)
             xn, x = plan.norm(f"layers.{i}.post_attention_layernorm", x, mixed)
             mixed = plan.mlp(i, xn)
-        self.cache.stage_group(states, windows, s)
+        self.cache.stage_deltanet(states, windows, s)
         return plan.norm("norm", x, mixed)
 
     def _attention_fused(self, prefix: str, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
@@ -124,9 +119,9 @@ class Runner:
         ``fc(cat[pre_fc_norm_embedding(emb), pre_fc_norm_hidden(hidden)])``, one full-attention
         layer, then the head's own ``norm`` (vLLM's Qwen3.5 MTP order).
         """
-        head = self.b.mtp
+        head = self.binding.mtp
         cos, sin = self.rope.tables(pos)
-        if self.fused is not None and hidden.shape[1] <= MAX_ROWS:
+        if self.fused is not None and hidden.shape[1] <= MAX_DECODE_ROWS:
             plan = self.fused
             e, _ = plan.norm("mtp.pre_fc_norm_embedding", emb)
             h, _ = plan.norm("mtp.pre_fc_norm_hidden", hidden)
@@ -154,7 +149,7 @@ class Runner:
         q = apply_rope(attn.q_norm(q).transpose(1, 2), cos, sin)
         k = apply_rope(attn.k_norm(k).transpose(1, 2), cos, sin)
         lengths = kv.write(k, v)
-        if s <= MAX_ROWS and d in _KERNEL_HEAD_DIMS:
+        if s <= MAX_DECODE_ROWS and d in HEAD_DIMS:
             o = decode_attention(q.contiguous(), kv.k, kv.v, lengths, causal=True, backend=self.attention)
         else:
             o = prefix_attention(q, *kv.filled())

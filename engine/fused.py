@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import _interpreting
+from ..kernels import triton_device_reason, triton_module
 
 _NORM_CLASSES = ("RMSNorm",)
 _GATED_CLASSES = ("RMSNormGated",)
@@ -25,10 +25,10 @@ _GATED_CLASSES = ("RMSNormGated",)
 
 def _triton_ops():
     """(fused_ops, deltanet_step) modules, or the reason they cannot be imported."""
-    try:
-        from ..kernels import deltanet_step, fused_ops
-    except Exception as exc:  # no Triton for this platform, or a broken install
-        return None, f"Triton is not usable here ({type(exc).__name__}: {exc})"
+    fused_ops, why = triton_module("fused_ops")
+    deltanet_step, why_step = triton_module("deltanet_step")
+    if why or why_step:
+        return None, why or why_step
     return (fused_ops, deltanet_step), None
 
 
@@ -86,7 +86,7 @@ class FusedPlan:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+        if triton_device_reason(device) is not None:
             return None, f"the fused kernels need a CUDA device (running on {device.type})"
         ops, why = _triton_ops()
         if ops is None:

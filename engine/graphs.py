@@ -14,20 +14,9 @@ import logging
 
 import torch
 
-from .cache import DeltaNetState, KVCache
-from ..kernels import GRAPH_SAFE, resolve_backend
-from ..kernels.attention import MAX_ROWS
-from .errors import Qwen35Error
+from ..kernels import ATTENTION_BACKENDS, MAX_DECODE_ROWS, resolve_backend
 
 log = logging.getLogger(__name__)
-_SAID: set[str] = set()
-
-
-def say_once(msg: str) -> None:
-    """Log a warning the first time this exact message comes up in the process."""
-    if msg not in _SAID:
-        _SAID.add(msg)
-        log.warning(msg)
 
 
 def _modules(binding):
@@ -45,7 +34,7 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     if attention == "auto":
         q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
         attention = resolve_backend(q, cfg.head_dim ** -0.5)
-    if attention not in GRAPH_SAFE:
+    if not ATTENTION_BACKENDS[attention].graph_safe:
         return f"the '{attention}' attention backend syncs with the host"
     for root in _modules(binding):
         for name, mod in root.named_modules():
@@ -86,71 +75,28 @@ class GraphRunner:
         self.cache = runner.cache
         self.device = runner.device
         self.dtype = runner.dtype
-        self.b = runner.b
+        self.binding = runner.binding
         # One private memory pool per graph: a replay never overwrites another graph's outputs.
         self._graphs: dict[tuple[str, int], _Graph] = {}
 
     # ------------------------------------------------------------------ public (Runner API)
     def forward(self, x: torch.Tensor, pos: torch.Tensor, *, keep_rows: bool = True):
         """Same contract as ``Runner.forward``; graphs for 1..8 rows, eager for longer inputs."""
-        if x.shape[1] > MAX_ROWS or not keep_rows:
+        if x.shape[1] > MAX_DECODE_ROWS or not keep_rows:
             return self.runner.forward(x, pos, keep_rows=keep_rows)
         return self._run("main", x, pos)
 
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Same contract as ``Runner.mtp_forward``; graphs for 1..8 rows."""
-        if hidden.shape[1] > MAX_ROWS:
+        if hidden.shape[1] > MAX_DECODE_ROWS:
             return self.runner.mtp_forward(hidden, emb, pos)
         return self._run("mtp", hidden, pos, emb)[0]
 
     # ------------------------------------------------------------------ internals
-    def _states(self, kind: str):
-        return [self.cache.mtp] if kind == "mtp" else self.cache.layers
-
-    def _check_room(self, kind: str, rows: int) -> None:
-        for st in self._states(kind):
-            if st.staged:
-                raise Qwen35Error("graph step: staged rows not committed; call commit(n) first")
-            if isinstance(st, KVCache) and st.host_length + rows > st.capacity:
-                raise Qwen35Error(f"KV cache overflow: {st.host_length} filled + {rows} new rows > capacity "
-                                  f"{st.capacity}; allocate the cache for prompt + max_length (+ MTP depth + 1)")
-
     def _eager(self, kind: str, inputs):
         if kind == "mtp":
             return (self.runner.mtp_forward(inputs[0], inputs[2], inputs[1]),)
         return self.runner.forward(inputs[0], inputs[1])
-
-    def _snapshot_staged(self, kind: str):
-        out = []
-        for st in self._states(kind):
-            if isinstance(st, DeltaNetState):
-                out.append((st._states, st._window, st._rows))
-            else:
-                out.append(st.staged)
-        return out, (self.cache.group if kind == "main" else None)
-
-    def _unstage(self, kind: str, ran: bool) -> None:
-        """Drop the rows a warm-up (``ran``: it moved the device lengths) or a capture (recorded
-        only: the device lengths did not move) staged; committed state is untouched."""
-        if kind == "main":
-            self.cache.group = None
-        for st in self._states(kind):
-            if isinstance(st, DeltaNetState):
-                st._states, st._window, st._rows = None, None, 0
-            elif st.staged:
-                if ran:
-                    st.length.sub_(st.staged)
-                st.staged = 0
-
-    def _restage(self, kind: str, staged) -> None:
-        staged, group = staged
-        if kind == "main":
-            self.cache.group = group
-        for st, saved in zip(self._states(kind), staged):
-            if isinstance(st, DeltaNetState):
-                st._states, st._window, st._rows = saved
-            else:
-                st.staged = saved
 
     def _capture(self, kind: str, inputs) -> _Graph:
         static = [t.clone() for t in inputs]
@@ -158,22 +104,22 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._eager(kind, static)  # compiles kernels, allocates lazily built constants
-            self._unstage(kind, ran=True)
+            self.cache.drop_staged(kind, lengths_moved=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 outputs = self._eager(kind, static)
         except Exception:
-            self._unstage(kind, ran=False)
+            self.cache.drop_staged(kind, lengths_moved=False)
             raise
-        staged = self._snapshot_staged(kind)
-        self._unstage(kind, ran=False)
+        staged = self.cache.save_staged(kind)
+        self.cache.drop_staged(kind, lengths_moved=False)
         return _Graph(graph, static, outputs, staged)
 
     def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, emb: torch.Tensor | None = None):
         rows = x.shape[1]
-        self._check_room(kind, rows)
+        self.cache.check_room(kind, rows)
         inputs = (x, pos) if emb is None else (x, pos, emb)
         key = (kind, rows)
         g = self._graphs.get(key)
@@ -183,5 +129,5 @@ class GraphRunner:
         for dst, src in zip(g.inputs, inputs):
             dst.copy_(src)
         g.graph.replay()
-        self._restage(kind, g.staged)
+        self.cache.restore_staged(g.staged)
         return g.outputs

@@ -71,6 +71,27 @@ def normalize_positions(position_ids: torch.Tensor | None, length: int, device) 
     return p.to(device=device, dtype=torch.int64).contiguous()
 
 
+class RowPositions:
+    """Positions of absolute rows: prompt rows use the given ids, later rows continue at max + 1."""
+
+    def __init__(self, prompt: torch.Tensor):
+        self.prompt = prompt  # [3, T] int64
+        self.length = prompt.shape[1]
+        self.offset = int(prompt.max()) + 1 - self.length if self.length else 0
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """int64 ``[3, count]`` positions of rows ``start .. start + count - 1``."""
+        end = start + count
+        if end <= self.length:
+            return self.prompt[:, start:end]
+        tail_start = max(start, self.length)
+        tail = torch.arange(tail_start, end, device=self.prompt.device, dtype=torch.int64) + self.offset
+        tail = tail.expand(3, -1)
+        if start >= self.length:
+            return tail
+        return torch.cat([self.prompt[:, start:], tail], dim=1)
+
+
 class Rope:
     """cos/sin tables for one model. ``tables(pos [3,S]) -> (cos, sin)`` float32 ``[S, rotary_dim]``."""
 

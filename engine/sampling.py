@@ -347,3 +347,78 @@ def greedy_accept_count(target_argmax: Sequence[int], drafts: Sequence[int]) -> 
             break
         count += 1
     return count
+
+
+def to_device(tokens: list[int], device) -> torch.Tensor:
+    """int64 ``[N]`` on ``device``. To CUDA through pinned memory without a host sync (torch's
+    pinned-block cache keeps the block until the copy is done)."""
+    t = torch.tensor(tokens, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def token_ids(tokens: list[int], device) -> torch.Tensor:
+    """int64 ``[1, N]`` on ``device`` (see ``to_device``)."""
+    return to_device(tokens, device).unsqueeze(0)
+
+
+class Sampler:
+    """The sampling state of one generate() call: the tokens generated so far, the penalty history
+    (kept on the device), the generator, stop tokens and ``min_tokens``. Kept off the model, so an
+    interrupt leaves nothing behind. ``mtp_draft`` is how drafts are made (see ``speculative``)."""
+
+    def __init__(self, params: SamplingParams, *, seed: int, stop_tokens, min_tokens: int, initial_tokens, device,
+                 mtp_draft, room: int):
+        self.params = params
+        self.greedy = params.greedy
+        self.generator = None if self.greedy else torch.Generator(device=device).manual_seed(int(seed))
+        self.stops = {int(t) for t in stop_tokens}
+        self.stop_ids = torch.tensor(sorted(self.stops), dtype=torch.int64, device=device)
+        self.min_tokens = min_tokens
+        self.generated: list[int] = []
+        self.mtp_draft = mtp_draft
+        self.device = device
+        # Token history for the penalties, kept on the device so that long answers do not rebuild it
+        # from a Python list at every position: initial tokens, generated tokens, then scratch rows.
+        initial = [int(t) for t in initial_tokens]
+        self.penalised = not self.greedy and (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0)
+        self.hist = torch.zeros(len(initial) + room, dtype=torch.int64, device=device)
+        self.count = 0
+        self._write(initial)
+        self.count = len(initial)
+
+    def _write(self, tokens: Sequence[int]) -> None:
+        if tokens and self.penalised:  # only the penalties read the history
+            self.hist[self.count:self.count + len(tokens)] = to_device(list(tokens), self.device)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Append generated tokens."""
+        self._write(tokens)
+        self.count += len(tokens)
+        self.generated.extend(tokens)
+
+    def histories(self, drafts: Sequence[int], rows: int) -> list:
+        """Penalty histories of ``rows`` consecutive positions: row i has the history plus ``drafts[:i]``."""
+        if not self.penalised:
+            return [()] * rows
+        self._write(drafts)
+        return [self.hist[:self.count + i] for i in range(rows)]
+
+    def mask(self, logits: torch.Tensor, first_count: int) -> torch.Tensor:
+        """Forbid stop tokens on rows whose position is before ``min_tokens``. logits ``[N,V]``."""
+        n = logits.shape[0]
+        blocked = max(0, min(n, self.min_tokens - first_count))
+        if blocked and self.stop_ids.numel():
+            logits = logits.clone()
+            logits[:blocked, self.stop_ids] = float("-inf")
+        return logits
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """The next token from one row of logits ``[1,V]`` (float32) after the current history."""
+        if self.greedy:
+            return int(logits[0].argmax())
+        # ComfyUI's own draw (same candidate list and order, same generator use): with MTP off the
+        # same seed gives core's tokens.
+        probs, ids = target_candidates(logits, self.histories((), 1), self.params)
+        return int(sample(probs, self.generator, candidates=ids)[0])

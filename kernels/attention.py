@@ -1,48 +1,68 @@
-"""Public entry point ``decode_attention`` with input checks and backend selection."""
+"""Decode attention's front: the backend table, input checks, backend selection, ``decode_attention``.
+
+``ATTENTION_BACKENDS`` is the one table of backends, ``{name: AttentionBackend(function, reason,
+graph_safe)}``: ``function(q, k_cache, v_cache, lengths, causal, scale)`` computes,
+``reason(q, scale)`` says why it cannot run for this call (None when it can), ``graph_safe`` says
+whether it can be captured in a CUDA graph (no host sync). The engine, the nodes' options
+(``ATTENTION_CHOICES``) and the tests all read it.
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from .attention_kitchen import kitchen_decode_attention, kitchen_reason
 from .attention_torch import masked_decode_attention, torch_decode_attention
+from .capabilities import say_once, triton_module, triton_reason
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "kitchen", "torch", "masked")
-GRAPH_SAFE = frozenset({"triton", "kitchen", "masked"})
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_HEAD_DIMS = (64, 128, 256)
-MAX_ROWS = 8
+#: Head dims the decode-attention kernels support.
+HEAD_DIMS = (64, 128, 256)
+#: Most new rows per decode_attention call (a decode step, an MTP draft, a verify of 1 + depth rows).
+MAX_DECODE_ROWS = 8
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_module():
-    try:
-        from . import attention_triton
-    except Exception as exc:  # no triton wheel for this platform, or a broken install
-        return None, f"Triton is not usable here ({type(exc).__name__}: {exc})"
-    return attention_triton, None
+class AttentionBackend(NamedTuple):
+    """One decode-attention backend: what computes, why it cannot run for a call, graph safety."""
+
+    function: Callable
+    reason: Callable[[torch.Tensor, float], str | None]
+    graph_safe: bool
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _triton_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float):
+    mod, _ = triton_module("attention_triton")
+    return mod.triton_decode_attention(q, k_cache, v_cache, lengths, causal, scale)
 
 
-def triton_reason(q: torch.Tensor) -> str | None:
-    """None when the Triton kernel can run on q's device, else why not (one line)."""
-    mod, why = _triton_module()
-    if mod is None:
-        return why
-    if q.device.type == "cuda":
-        return None
-    if q.device.type == "cpu" and _interpreting():
-        return None
-    return f"Triton needs a CUDA/ROCm device (got {q.device.type}; set TRITON_INTERPRET=1 to test on CPU)"
+def _kitchen_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float):
+    return kitchen_decode_attention(q, k_cache, v_cache, lengths, causal, scale).contiguous()
+
+
+def _always(q: torch.Tensor, scale: float) -> None:
+    return None
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
+    "triton": AttentionBackend(_triton_attention, lambda q, scale: triton_reason(q.device), True),
+    "kitchen": AttentionBackend(_kitchen_attention, kitchen_reason, True),
+    "torch": AttentionBackend(torch_decode_attention, _always, False),
+    "masked": AttentionBackend(masked_decode_attention, _always, True),
+}
+#: What callers may ask for: "auto" (see ``resolve_backend``) or a backend of the table.
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)
+
+
+def backend_reason(name: str, q: torch.Tensor, scale: float | None = None) -> str | None:
+    """None when backend ``name`` can run for q (``[B,Hq,S,D]``) and ``scale``, else why not."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return ATTENTION_BACKENDS[name].reason(q, scale)
 
 
 def _check(q, k_cache, v_cache, lengths) -> None:
@@ -62,10 +82,10 @@ def _check(q, k_cache, v_cache, lengths) -> None:
                          "disagree on batch or head_dim")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"decode_attention: query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    if d not in _HEAD_DIMS:
-        raise ValueError(f"decode_attention: head_dim {d} is not supported; use one of {_HEAD_DIMS}")
-    if not 1 <= s <= MAX_ROWS:
-        raise ValueError(f"decode_attention: S={s} new rows; decode supports 1..{MAX_ROWS} "
+    if d not in HEAD_DIMS:
+        raise ValueError(f"decode_attention: head_dim {d} is not supported; use one of {HEAD_DIMS}")
+    if not 1 <= s <= MAX_DECODE_ROWS:
+        raise ValueError(f"decode_attention: S={s} new rows; decode supports 1..{MAX_DECODE_ROWS} "
                          "(use a prefill attention for longer chunks)")
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"decode_attention: dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}; "
@@ -80,13 +100,6 @@ def _check(q, k_cache, v_cache, lengths) -> None:
 
 
 _AUTO_CHOICE: dict[tuple, str] = {}
-_SAID: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _SAID:
-        _SAID.add(msg)
-        log.warning(msg)
 
 
 def resolve_backend(q: torch.Tensor, scale: float) -> str:
@@ -100,14 +113,14 @@ def resolve_backend(q: torch.Tensor, scale: float) -> str:
     if choice is not None:
         return choice
     on_cpu = q.device.type == "cpu"
-    t_why = "the CPU runs the torch path" if on_cpu else triton_reason(q)
+    t_why = "the CPU runs the torch path" if on_cpu else backend_reason("triton", q, scale)
     if t_why is None:
         choice = "triton"
     else:
-        k_why = kitchen_reason(q, scale)
+        k_why = backend_reason("kitchen", q, scale)
         choice = "kitchen" if k_why is None else "torch"
         if not on_cpu:
-            _say_once(f"decode_attention: Triton kernel unavailable ({t_why}); using '{choice}'"
+            say_once(log, f"decode_attention: Triton kernel unavailable ({t_why}); using '{choice}'"
                       + ("" if choice == "kitchen" else f" (kitchen: {k_why})")
                       + ". Cost still follows the filled length; the torch path syncs with the host "
                       "and cannot be captured in CUDA graphs.")
@@ -131,19 +144,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     length-aware backends (``triton``, ``kitchen``, ``torch``), so their content does not matter.
     """
     _check(q, k_cache, v_cache, lengths)
-    if backend not in BACKENDS:
-        raise ValueError(f"decode_attention: unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend not in ATTENTION_CHOICES:
+        raise ValueError(f"decode_attention: unknown backend {backend!r}; choose one of {ATTENTION_CHOICES}")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if backend == "auto":
         backend = resolve_backend(q, scale)
-    if backend == "triton":
-        why = triton_reason(q)
+    entry = ATTENTION_BACKENDS[backend]
+    if backend == "triton":  # kitchen's adapter raises its own error naming the alternatives
+        why = entry.reason(q, scale)
         if why is not None:
             raise ValueError(f"backend='triton' cannot run: {why}; use backend='auto'")
-        mod, _ = _triton_module()
-        return mod.triton_decode_attention(q, k_cache, v_cache, lengths, causal, scale)
-    if backend == "kitchen":
-        return kitchen_decode_attention(q, k_cache, v_cache, lengths, causal, scale).contiguous()
-    if backend == "torch":
-        return torch_decode_attention(q, k_cache, v_cache, lengths, causal, scale)
-    return masked_decode_attention(q, k_cache, v_cache, lengths, causal, scale)
+    return entry.function(q, k_cache, v_cache, lengths, causal, scale)

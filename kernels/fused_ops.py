@@ -23,12 +23,12 @@ ValueError naming the ``*_torch`` function, and the caller decides.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .capabilities import triton_device_reason
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_torch",
@@ -128,17 +128,9 @@ def _sigmoid_gate_kernel(
 
 
 # ------------------------------------------------------------------ helpers
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def fused_ops_reason(t: torch.Tensor) -> str | None:
     """None when the fused Triton kernels can run on t's device, else why not (one line)."""
-    if t.device.type == "cuda":
-        return None
-    if t.device.type == "cpu" and _interpreting():
-        return None
-    return f"Triton needs a CUDA/ROCm device (got {t.device.type}; set TRITON_INTERPRET=1 to test on CPU)"
+    return triton_device_reason(t.device)
 
 
 def _num_warps(block: int) -> int:

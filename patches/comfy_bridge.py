@@ -1,28 +1,29 @@
 """Glue between a ComfyUI ``CLIP`` holding Qwen3.5 and the engine: find the model, build the prompt
-embeddings and MRoPE positions the way ComfyUI does, report progress, honour Cancel.
+embeddings and MRoPE positions the way ComfyUI does, cast ComfyUI's weights for the engine, report
+progress, honour Cancel.
 
-This is the only engine module that knows ComfyUI; it imports ``comfy`` lazily so the rest of the
-engine (and its tests) never need it. Nothing here patches anything: ``patches/clip_patch.py``
-decides where these functions are plugged in.
+It imports ``comfy`` lazily, so the pack imports without ComfyUI (tests, scripts). Nothing here
+patches anything: ``patches/clip_patch.py`` decides where these functions are plugged in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import generate
+from ..engine import ATTENTION_CHOICES, MTP_CHOICES, check_max_length, generate, parse_mtp
+from ..engine.config import RELEASED_STOP_TOKENS
 
 log = logging.getLogger(__name__)
 
 #: Key under ``clip.patcher.model_options`` where the pack records what it knows about a CLIP.
 INFO_KEY = "qwen35_fast"
 
-MTP_CHOICES = ("auto", "off", "1", "2", "3", "4", "5")
-ATTENTION_CHOICES = ("auto", "triton", "kitchen", "torch", "masked")
+__all__ = ["ATTENTION_CHOICES", "MTP_CHOICES", "parse_mtp"]  # the nodes' options, from the engine
 
 
 class Qwen35Unsupported(ValueError):
@@ -266,6 +267,28 @@ class Progress:
 
 
 # ---------------------------------------------------------------------------------------------
+# ComfyUI's weights for the engine
+
+
+@contextlib.contextmanager
+def comfy_weight_cast(module, h):
+    """The engine's ``weight_cast`` hook: ``module``'s weight as ComfyUI's ops cast it for ``h``
+    (its dtype and device; offloaded weights streamed in) when ComfyUI casts that module per call,
+    else None. Released when the block ends (``BaseGenerate.logits`` does the same)."""
+    if not getattr(module, "comfy_cast_weights", False):
+        yield None
+        return
+    import comfy.ops
+
+    res = comfy.ops.cast_bias_weight(module, h, offloadable=True)
+    try:
+        yield res[0]
+    finally:
+        if len(res) > 2 and hasattr(comfy.ops, "uncast_bias_weight"):
+            comfy.ops.uncast_bias_weight(module, res[0], None, res[2])
+
+
+# ---------------------------------------------------------------------------------------------
 # Generation through the engine
 
 
@@ -276,13 +299,9 @@ class TokenList(list):
     stop_reason: str | None = None
 
 
-def parse_mtp(value) -> str | int:
-    """Node/engine MTP setting: "auto", "off" or a depth 1..5 (strings from combos accepted)."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if value in ("auto", "off") or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 5):
-        return value
-    raise ValueError(f"mtp must be 'auto', 'off' or a depth 1..5, got {value!r}")
+def stop_tokens_of(target: Qwen35Target) -> list[int]:
+    """The model's stop tokens (its config's, else the released Qwen3.5 ones)."""
+    return list(getattr(getattr(target.model, "config", None), "stop_tokens", None) or RELEASED_STOP_TOKENS)
 
 
 def default_execution_dtype(device):
@@ -308,10 +327,9 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
     Arguments follow core ``BaseGenerate.generate``; ``seed=None`` (core's greedy call) means 0.
     Returns the token ids as a ``TokenList`` carrying the engine stats.
     """
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
-        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    check_max_length(max_length)
     if stop_tokens is None:
-        stop_tokens = list(getattr(getattr(target.model, "config", None), "stop_tokens", None) or [248044, 248046])
+        stop_tokens = stop_tokens_of(target)
     if execution_dtype is None:
         execution_dtype = default_execution_dtype(embeds.device)
     progress = Progress(max_length, decode=decode)
@@ -321,7 +339,7 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
         repetition_penalty=float(repetition_penalty), seed=0 if seed is None else int(seed),
         stop_tokens=list(stop_tokens), min_tokens=int(min_tokens), presence_penalty=float(presence_penalty or 0.0),
         initial_tokens=list(initial_tokens or ()), mtp=parse_mtp(mtp), position_ids=position_ids,
-        attention=attention, execution_dtype=execution_dtype, callback=progress)
+        attention=attention, execution_dtype=execution_dtype, callback=progress, weight_cast=comfy_weight_cast)
     tokens = TokenList(result.tokens)
     tokens.stats = result.stats
     tokens.stop_reason = getattr(result, "stop_reason", None)

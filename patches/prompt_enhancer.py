@@ -102,8 +102,7 @@ def enhance(clip, prompt: str, *, system_prompt: str = "", images=None, preset: 
                            top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
                            repetition_penalty=1.0, seed=seed, presence_penalty=settings["presence_penalty"])
     stats = getattr(ids, "stats", None)
-    stops = set(getattr(getattr(bridge.find_qwen35(clip).model, "config", None), "stop_tokens", None) or
-                (248044, 248046))
+    stops = set(bridge.stop_tokens_of(bridge.find_qwen35(clip)))
     body = list(ids)
     while body and body[-1] in stops:
         body.pop()

@@ -81,10 +81,10 @@ def test_poison_reaches_a_capacity_bound_read(model, rng):
 
 def test_triton_backend_in_the_engine(model, rng):
     """The Triton kernel (interpreted on CPU) inside the engine: same tokens, poison never read."""
-    from qwen35_fast.kernels.attention import triton_reason
+    from qwen35_fast.kernels import backend_reason
 
     m, d = model
-    why = triton_reason(torch.empty(1, 2, 1, 64))
+    why = backend_reason("triton", torch.empty(1, 2, 1, 64))
     if why is not None:
         pytest.skip(why)
     prompt = torch.randn(5, d["hidden_size"], generator=rng)

@@ -17,12 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 from qwen35_fast.engine import bind, build_mtp_head, generate
+from qwen35_fast.patches.comfy_bridge import comfy_weight_cast
 
 from tests.oracles.tiny import add_mtp, make_tiny, to_layout
 
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.comfyui,
               pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI checkout> to run")]
+
+COMFY = dict(weight_cast=comfy_weight_cast)  # how the ComfyUI layer binds: tied logits cast by comfy.ops
 
 
 @pytest.fixture(scope="module")
@@ -79,24 +82,24 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     with torch.no_grad():
         core = model.generate(emb.clone(), do_sample=False, max_length=20, stop_tokens=[],
                               execution_dtype=torch.float32)
-    ours = generate(model, emb, do_sample=False, max_length=20, mtp="off", stop_tokens=[],
+    ours = generate(model, emb, **COMFY, do_sample=False, max_length=20, mtp="off", stop_tokens=[],
                     execution_dtype=torch.float32)
     assert ours.tokens == core
     sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
     model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, b.config)
-    spec = generate(model, emb, do_sample=False, max_length=20, mtp=3, stop_tokens=[],
+    spec = generate(model, emb, **COMFY, do_sample=False, max_length=20, mtp=3, stop_tokens=[],
                     execution_dtype=torch.float32)
     assert spec.tokens == core and spec.stats.drafted > 0
     kw = dict(do_sample=True, max_length=20, stop_tokens=[], execution_dtype=torch.float32, seed=5, top_k=0,
               top_p=0.9, temperature=1.0, presence_penalty=0.5)
     with torch.no_grad():
         core_s = model.generate(emb.clone(), **kw)
-    assert generate(model, emb, mtp="off", **kw).tokens == core_s
+    assert generate(model, emb, **COMFY, mtp="off", **kw).tokens == core_s
     # top-k on (the PE settings): ComfyUI draws over the top-k list in topk order; so does the engine
     kw.update(top_k=20, top_p=0.95, repetition_penalty=1.05, seed=11)
     with torch.no_grad():
         core_k = model.generate(emb.clone(), **kw)
-    assert generate(model, emb, mtp="off", **kw).tokens == core_k
+    assert generate(model, emb, **COMFY, mtp="off", **kw).tokens == core_k
 
 
 def test_fused_path_on_comfyui_modules(comfy, rng):
@@ -121,8 +124,8 @@ def test_fused_path_on_comfyui_modules(comfy, rng):
     for mtp in ("off", 3):
         kw = dict(do_sample=False, max_length=12, mtp=mtp, stop_tokens=[], execution_dtype=torch.float32,
                   attention="torch")
-        fused = generate(model, emb, fused=True, **kw)
-        assert fused.tokens == generate(model, emb, fused=False, **kw).tokens, mtp
+        fused = generate(model, emb, **COMFY, fused=True, **kw)
+        assert fused.tokens == generate(model, emb, **COMFY, fused=False, **kw).tokens, mtp
     cast = _comfy_model(comfy, sd, d)
     plan, why = FusedPlan.build(bind(cast), "cpu", torch.float32)
     assert plan is None and "casts or patches" in why

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import qwen35_fast.engine.generation as generation
+import qwen35_fast.engine.stack as stack
 import torch
 from qwen35_fast.engine import Qwen35Error, bind, generate
 from qwen35_fast.engine.cache import DeltaNetState, KVCache
@@ -66,14 +67,14 @@ def test_drafts_follow_reference_head(mtp_model, rng, monkeypatch):
     model, sd, d = mtp_model
     ref = Reference(sd, d)
     seen = []
-    real = generation._draft
+    real = generation.draft
 
-    def spy(binding, runner, dec, positions, pend_hidden, pend_emb, mtp_start, length, k):
-        drafts, qs = real(binding, runner, dec, positions, pend_hidden, pend_emb, mtp_start, length, k)
-        seen.append((list(dec.generated), length, drafts))
+    def spy(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k):
+        drafts, qs = real(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)
+        seen.append((list(sampler.generated), length, drafts))
         return drafts, qs
 
-    monkeypatch.setattr(generation, "_draft", spy)
+    monkeypatch.setattr(generation, "draft", spy)
     prompt = torch.randn(5, d["hidden_size"], generator=rng)
     res = generate(model, prompt, do_sample=False, max_length=16, mtp=3, stop_tokens=[])
     assert len(seen) >= 3
@@ -101,13 +102,13 @@ def test_state_after_rejection_equals_fresh_run(mtp_model, rng, monkeypatch):
     run fed only the kept tokens."""
     model, _, d = mtp_model
     made = []
-    real_cache = generation.ModelCache
+    real_cache = stack.ModelCache
 
     def keep_cache(*args, **kwargs):
         made.append(real_cache(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(generation, "ModelCache", keep_cache)
+    monkeypatch.setattr(stack, "ModelCache", keep_cache)
     checked = 0
     for _ in range(4):
         prompt = torch.randn(7, d["hidden_size"], generator=rng)
@@ -160,7 +161,7 @@ def test_mtp_modes_without_head(tmp_path, rng, caplog):
     sd, d = make_tiny(_seed(rng))
     model = engine_model(sd, tmp_path)
     prompt = torch.randn(4, d["hidden_size"], generator=rng)
-    with caplog.at_level(logging.INFO, logger="qwen35_fast.engine.generation"):
+    with caplog.at_level(logging.INFO, logger="qwen35_fast.engine.request"):
         res = generate(model, prompt, do_sample=False, max_length=5, mtp="auto")
     assert res.stats.mtp_depth == 0 and "no MTP head" in caplog.text
     with pytest.raises(Qwen35Error, match="needs an MTP head"):

@@ -8,8 +8,7 @@ from qwen35_fast.engine import bind, generate
 from qwen35_fast.engine.cache import ModelCache
 from qwen35_fast.engine.deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
 from qwen35_fast.engine.forward import Runner
-from qwen35_fast.engine.generation import _Positions
-from qwen35_fast.engine.rope import normalize_positions
+from qwen35_fast.engine.rope import RowPositions, normalize_positions
 
 from tests.oracles.reference import Reference
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny
@@ -112,10 +111,10 @@ def test_mrope_positions(tmp_path, rng):
 
 def test_positions_helper():
     pos = torch.tensor([[0, 1, 2, 2, 5], [0, 1, 2, 4, 5], [0, 1, 3, 2, 5]])
-    p = _Positions(normalize_positions(pos, 5, "cpu"))
+    p = RowPositions(normalize_positions(pos, 5, "cpu"))
     assert p.rows(3, 4).tolist() == [[2, 5, 6, 7], [4, 5, 6, 7], [2, 5, 6, 7]]
     assert p.rows(6, 2).tolist() == [[7, 8]] * 3
-    plain = _Positions(normalize_positions(None, 4, "cpu"))
+    plain = RowPositions(normalize_positions(None, 4, "cpu"))
     assert plain.rows(2, 4).tolist() == [[2, 3, 4, 5]] * 3
 
 
