@@ -1,0 +1,236 @@
+"""Opt-in: the pack on a random Qwen3.5 0.8B checkpoint loaded by core ``comfy.sd.load_clip`` (in process, CPU).
+
+Set ``QWEN35_FAST_COMFYUI=<ComfyUI tree>`` and run with ComfyUI's Python (``scripts/test_comfyui.sh``
+does both for every tree it builds). Checkpoints (bf16 and int8_convrot, each with and without
+``mtp.*``) are built once into ``QWEN35_FAST_CACHE``; the int8 files are written the way ComfyUI's
+own save path writes them (per layer a ``<layer>.comfy_quant`` JSON uint8 tensor, int8 ``weight``,
+float32 ``weight_scale``), quantized by comfy-kitchen.
+
+Per file: greedy tokens through the patch equal core's own ``generate`` and a cache-free forward of
+the same modules; with ``mtp.*`` the engine drafts with core's own head where core built one (never
+a second head); Cancel mid-generation, then the next prompt gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import test_comfyui_integration as files
+
+COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
+pytestmark = [pytest.mark.comfyui,
+              pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI tree> to run")]
+
+CACHE = Path(os.environ.get("QWEN35_FAST_CACHE", Path.home() / ".cache" / "qwen35_fast_comfyui"))
+PROMPT = "Describe a red fox in the snow."
+STEPS = 3
+INT8_CONF = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
+
+
+# ---------------------------------------------------------------------------------------------
+# ComfyUI and the checkpoints
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    loaded = sys.modules.get("comfy")
+    if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(str(Path(COMFY).resolve())):
+        pytest.skip("another 'comfy' package (the test stub) is already imported: run this file on its own")
+    sys.path.insert(0, COMFY)
+    try:
+        import comfy.cli_args
+
+        if not torch.cuda.is_available():
+            comfy.cli_args.args.cpu = True
+        import comfy.model_management
+        import comfy.sd
+    except ImportError as exc:
+        pytest.skip(f"ComfyUI at {COMFY} cannot be imported here ({exc}); use ComfyUI's Python")
+    return comfy
+
+
+def _quantize_int8_convrot(tensors: dict) -> dict:
+    """Every Linear weight (2-D, not the embedding) as ComfyUI's save path writes int8_convrot."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    out = {}
+    marker = torch.tensor(list(json.dumps(INT8_CONF).encode("utf-8")), dtype=torch.uint8)
+    for key, w in tensors.items():
+        if key.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in key:
+            qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True,
+                                            convrot=True, convrot_groupsize=INT8_CONF["convrot_groupsize"])
+            out.update(qt.state_dict(key))  # "<layer>.weight" int8 and "<layer>.weight_scale" float32
+            out[key[: -len("weight")] + "comfy_quant"] = marker.clone()
+        else:
+            out[key] = w
+    return out
+
+
+def _tensors(kind: str) -> dict:
+    t = files._text_tensors(torch, 1)
+    if kind.endswith("_mtp"):
+        t.update(files._mtp_tensors(torch, 5))
+    return _quantize_int8_convrot(t) if kind.startswith("int8") else t
+
+
+KINDS = ("bf16", "bf16_mtp", "int8", "int8_mtp")
+
+
+def checkpoint(kind: str) -> str:
+    """Path of the random 0.8B checkpoint ``kind`` (built on first use)."""
+    from safetensors.torch import save_file
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / f"qwen35_08b_random_core_{kind}.safetensors"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        save_file(_tensors(kind), str(tmp))
+        tmp.rename(path)
+    return str(path)
+
+
+def head_file() -> str:
+    """A separate ``mtp.*`` file (another random head of the same size)."""
+    from safetensors.torch import save_file
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / files.MTP_FILE
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        save_file(files._mtp_tensors(torch, 3), str(tmp))
+        tmp.rename(path)
+    return str(path)
+
+
+def _core_load(comfy, path):
+    return comfy.sd.load_clip(ckpt_paths=[path], clip_type=comfy.sd.CLIPType.QWEN_IMAGE)
+
+
+def _core_has_mtp_loading(comfy) -> bool:
+    """True on ComfyUI versions whose ``load_clip`` builds core's own MTP head (``Qwen35.mtp``)."""
+    import inspect
+
+    import comfy.text_encoders.qwen35 as q
+
+    return "mtp" in inspect.signature(q.te).parameters
+
+
+def _target(clip):
+    from qwen35_fast.patches import comfy_bridge
+
+    return comfy_bridge.find_qwen35(clip)
+
+
+@pytest.fixture(autouse=True)
+def _collect():
+    yield
+    gc.collect()  # one 0.8B model in memory at a time
+
+
+# ---------------------------------------------------------------------------------------------
+# oracles
+
+
+def _cache_free_greedy(clip, tokens, steps):
+    """Greedy tokens from full forwards (no cache) of core's own modules over the growing sequence."""
+    target = _target(clip)
+    clip.load_model(tokens)
+    device = clip.patcher.load_device
+    clip.cond_stage_model.set_clip_options({"execution_device": device})
+    rows = next(iter(tokens.values()))
+    embeds = target.clip_model.process_tokens([[t[0] for t in r] for r in rows], device=device)[0]
+    import comfy.model_management as mm
+
+    dtype = torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
+    model = target.transformer.model
+    x = embeds.to(dtype)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            h = model.forward(None, embeds=x, attention_mask=None)[0]
+            tok = int(target.transformer.logits(h)[:, -1].argmax(-1))
+            out.append(tok)
+            x = torch.cat([x, model.embed_tokens(torch.tensor([[tok]], device=device)).to(dtype)], dim=1)
+    clip.cond_stage_model.reset_clip_options()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_patch_greedy_mtp(comfy, kind):
+    """One load per file: greedy through the patch equals core's ``generate`` and a cache-free forward;
+    with ``mtp.*`` the pack's loader keeps one head (core's where core built it) and MTP drafts with it."""
+    from qwen35_fast.engine import bind
+    from qwen35_fast.patches.clip_loader import load_qwen35_clip
+    from qwen35_fast.patches.clip_patch import patch_clip
+
+    with_mtp = kind.endswith("_mtp")
+    if with_mtp:
+        result = load_qwen35_clip(checkpoint(kind))
+        clip = result.clip
+        assert result.mtp
+        target = _target(clip)
+        core_head, grafted = getattr(target.transformer, "mtp", None), getattr(target.model, "mtp", None)
+        if _core_has_mtp_loading(comfy):
+            assert (core_head is not None, grafted is None) == (True, True), "two MTP heads in memory"
+            assert bind(target.transformer).mtp is core_head
+        else:
+            assert core_head is None and grafted is not None
+    else:
+        clip = _core_load(comfy, checkpoint(kind))
+    tokens = clip.tokenize(PROMPT)
+    core = list(clip.generate(tokens, do_sample=False, max_length=STEPS))
+    ref = _cache_free_greedy(clip, tokens, STEPS)
+    patched = patch_clip(clip, mtp=3 if with_mtp else "off")
+    ours = patched.generate(tokens, do_sample=False, max_length=STEPS)
+    print(f"{kind}: core {core}, cache-free {ref}, engine {list(ours)} ({ours.stats.accepted}/"
+          f"{ours.stats.drafted} drafts accepted)")
+    assert list(ours) == core == ref
+    if with_mtp:
+        assert ours.stats.drafted > 0
+    assert not clip.patcher.object_patches, "the input CLIP was patched"
+
+
+def test_chosen_head_file_replaces_cores_head(comfy):
+    from qwen35_fast.patches.clip_loader import load_qwen35_clip
+    from safetensors.torch import load_file
+
+    result = load_qwen35_clip(checkpoint("bf16_mtp"), head_file())
+    target = _target(result.clip)
+    core_head = getattr(target.transformer, "mtp", None)
+    grafted = getattr(target.model, "mtp", None)
+    want = load_file(head_file())["mtp.fc.weight"]
+    if _core_has_mtp_loading(comfy):
+        assert (core_head is not None, grafted is None) == (True, True), "two MTP heads in memory"
+        head = core_head
+    else:
+        assert core_head is None
+        head = grafted
+    assert torch.equal(head.fc.weight.to(want.dtype).cpu(), want), "the chosen head file was not used"
+    tokens = result.clip.tokenize(PROMPT)
+    assert len(result.clip.generate(tokens, do_sample=False, max_length=2)) == 2  # core runs with that head
+
+
+def test_interrupt_then_next_prompt(comfy):
+    import comfy.model_management as mm
+    from qwen35_fast.patches.clip_patch import patch_clip
+
+    clip = _core_load(comfy, checkpoint("bf16"))
+    patched = patch_clip(clip, mtp="off")
+    tokens = patched.tokenize(PROMPT)
+    mm.interrupt_current_processing(True)  # Cancel pressed: the engine stops at its next step
+    with pytest.raises(mm.InterruptProcessingException):
+        patched.generate(tokens, do_sample=False, max_length=200)
+    assert not mm.processing_interrupted()
+    again = patched.generate(tokens, do_sample=False, max_length=2)
+    assert len(again) == 2 and again.stats is not None
