@@ -5,6 +5,12 @@ once. Each program owns ``BLOCK_N`` output columns of one weight and streams its
 slice in ``BLOCK_K`` tiles (software-pipelined), multiplying them with the rows of x padded to 16
 on the tensor cores, float32 accumulation, no split over K (no second reduction launch).
 
+Weights are bf16/fp16 (x's dtype) or int8 with a float32 scale per output row or per tensor
+(ComfyUI's ``int8_tensorwise``): weight-only quantization, the int8 values are widened to x's
+dtype in registers (exact: |q| <= 128 fits every float format), multiplied on the tensor cores
+with float32 accumulation, and the scale is applied to the accumulated row. Bytes read: the int8
+weights once. ``hadamard_rotate`` gives x the ConvRot rotation such weights expect.
+
 ``gemv_group`` runs up to four weights that read the same x in one launch (a DeltaNet layer's
 four input projections, q/k/v, gate/up), and ``glu=True`` computes x as ``silu(g) * u`` while
 loading it (the MLP's down projection, rounded as ``F.silu(g) * u`` in x's dtype would be), so
@@ -17,14 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .capabilities import triton_device_reason
+
 MAX_ROWS = 16
 MAX_GROUP = 4
 
 
 @triton.jit
-def _tile(X, U, W, Y, M, N, K, sx_m, su_m, sw_n, sy_m, pid,
-          GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          EVEN_K: tl.constexpr):
+def _tile(X, U, W, S, Y, M, N, K, sx_m, su_m, sw_n, ss_n, sy_m, pid,
+          GLU: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
@@ -39,48 +47,74 @@ def _tile(X, U, W, Y, M, N, K, sx_m, su_m, sw_n, sy_m, pid,
             k_ok = offs_k < K
             w_mask = n_ok[:, None] & k_ok[None, :]
             x_mask = m_ok[:, None] & k_ok[None, :]
-        w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0.0)
+        w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
         x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
+        if QUANT:  # int8 -> x's dtype, exact
+            w = w.to(x.dtype)
         if GLU:  # x holds g; u the other half: round(round(silu(g)) * u)
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
             u = tl.load(U + offs_m[:, None] * su_m + offs_k[None, :], mask=x_mask, other=0.0)
             x = (act * u.to(tl.float32)).to(w.dtype)
-        acc += tl.dot(x, tl.trans(w))
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if QUANT:  # per-row scales (ss_n = 1) or one per tensor (ss_n = 0)
+        acc *= tl.load(S + offs_n * ss_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _gemv_kernel(X, U, W0, W1, W2, W3, Y0, Y1, Y2, Y3, M, K, N0, N1, N2, N3, E0, E1, E2,
-                 sx_m, su_m, sw0, sw1, sw2, sw3, sy0, sy1, sy2, sy3,
-                 COUNT: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_kernel(X, U, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, N0, N1, N2, N3, E0, E1, E2,
+                 sx_m, su_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3,
+                 COUNT: tl.constexpr, GLU: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
-        _tile(X, U, W0, Y0, M, N0, K, sx_m, su_m, sw0, sy0, pid, GLU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, U, W0, S0, Y0, M, N0, K, sx_m, su_m, sw0, ss0, sy0, pid,
+              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif COUNT > 1 and pid < E1:
-        _tile(X, U, W1, Y1, M, N1, K, sx_m, su_m, sw1, sy1, pid - E0, GLU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, U, W1, S1, Y1, M, N1, K, sx_m, su_m, sw1, ss1, sy1, pid - E0,
+              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif COUNT > 2 and pid < E2:
-        _tile(X, U, W2, Y2, M, N2, K, sx_m, su_m, sw2, sy2, pid - E1, GLU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, U, W2, S2, Y2, M, N2, K, sx_m, su_m, sw2, ss2, sy2, pid - E1,
+              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif COUNT > 3:
-        _tile(X, U, W3, Y3, M, N3, K, sx_m, su_m, sw3, sy3, pid - E2, GLU, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, U, W3, S3, Y3, M, N3, K, sx_m, su_m, sw3, ss3, sy3, pid - E2,
+              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
 
-def _config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for N output columns in all over width K. Measured on an
-    H200 at the 9B shapes (``benchmarks/gemv.py``): 32 columns per program everywhere; 128-wide K
-    tiles, 5 stages for 8192..12288 columns of width 4096, else 256-wide tiles, 4 stages."""
+def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for N output columns in all over width K. bf16, measured on
+    an H200 at the 9B shapes (``benchmarks/gemv.py``): 32 columns per program everywhere; 128-wide K
+    tiles, 5 stages for 8192..12288 columns of width 4096, else 256-wide tiles, 4 stages. int8
+    weights: 32 columns, 256-wide tiles (256 bytes per row per tile), 4 stages."""
+    if quant:
+        return 32, 256, 4, 4
     if k < 8192 and 8192 <= n <= 16384:
         return 32, 128, 4, 5
     return 32, 256, 4, 4
 
 
-def gemv_reason(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """None when ``gemv`` supports these operands, else why not (one line)."""
-    if w.dtype not in (torch.bfloat16, torch.float16) or x.dtype != w.dtype:
-        return f"operands {x.dtype} x {w.dtype} (bf16 or fp16 weights, x in the same dtype)"
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gemv_reason(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> str | None:
+    """None when ``gemv`` supports these operands, else why not (one line). ``w`` is float in x's
+    dtype (``scale`` None), or int8 with a float32 ``scale`` of shape ``[]``, ``[1]``, ``[N]`` or ``[N, 1]``."""
+    if x.dtype not in _FLOATS:
+        return f"x is {x.dtype} (bf16, fp16 or fp32)"
+    if w.dtype == torch.int8:
+        if scale is None:
+            return "int8 weight without a scale"
+        if scale.dtype != torch.float32 or scale.numel() not in (1, w.shape[0]) or scale.device != w.device:
+            return (f"scale {scale.dtype} {tuple(scale.shape)} is not float32 per tensor or per output row "
+                    f"of a {tuple(w.shape)} weight on its device")
+    elif w.dtype != x.dtype or scale is not None:
+        return f"operands {x.dtype} x {w.dtype} (a weight in x's dtype, or int8 with a scale)"
     if w.dim() != 2 or w.stride(1) != 1:
         return "weight is not a row-major matrix"
     rows = x.numel() // max(1, x.shape[-1])
@@ -96,20 +130,24 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, up: torch.Tensor | None = None,
-               config: tuple[int, int, int, int] | None = None) -> list[torch.Tensor]:
+def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[torch.Tensor] | None = None,
+               up: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch (1..4 weights ``[N_i, K]``, row-major, one dtype).
 
-    x ``[..., K]`` with at most 16 rows in all, in the weights' dtype (bf16/fp16); returns
-    ``[..., N_i]`` tensors in that dtype (float32 accumulation). With ``up`` (same shape as x) the
+    x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 with
+    ``scales`` (float32 per tensor or per output row: ``y = (x @ q.T) * scale``). Returns
+    ``[..., N_i]`` tensors in x's dtype (float32 accumulation). With ``up`` (same shape as x) the
     product is taken with ``silu(x) * up`` (each rounded to the dtype, as torch rounds
     ``F.silu(x) * up``). ``config`` = (BLOCK_N, BLOCK_K, warps, stages) overrides the choice.
     """
     if not 1 <= len(weights) <= MAX_GROUP:
         raise ValueError(f"gemv_group: 1..{MAX_GROUP} weights, got {len(weights)}")
+    quant = weights[0].dtype == torch.int8
+    if scales is not None and len(scales) != len(weights):
+        raise ValueError(f"gemv_group: {len(scales)} scales for {len(weights)} weights")
     k = weights[0].shape[-1]
-    for w in weights:
-        why = gemv_reason(x, w)
+    for i, w in enumerate(weights):
+        why = gemv_reason(x, w, None if scales is None else scales[i])
         if why is None and w.dtype != weights[0].dtype:
             why = "weights of different dtypes"
         if why is not None:
@@ -121,25 +159,89 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, up: torch.Tensor
     m = x2.shape[0]
     ns = [w.shape[0] for w in weights]
     outs = [torch.empty(m, n, dtype=x.dtype, device=x.device) for n in ns]
-    block_n, block_k, warps, stages = _config(sum(ns), k) if config is None else config
+    ss = [s.reshape(-1) for s in scales] if quant else list(weights)  # unread unless QUANT
+    block_n, block_k, warps, stages = _config(sum(ns), k, quant) if config is None else config
     block_k = min(block_k, triton.next_power_of_2(k))
     ends, total = [], 0
     for n in ns:
         total += triton.cdiv(n, block_n)
         ends.append(total)
     pad = MAX_GROUP - len(weights)
-    ws, ys = weights + [weights[0]] * pad, outs + [outs[0]] * pad
+    ws, ys, ss = weights + [weights[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
     _gemv_kernel[(total,)](
-        x2, u2, *ws, *ys, m, k, *nn, *ee, x2.stride(0), u2.stride(0), *(w.stride(0) for w in ws),
-        *(y.stride(0) for y in ys),
-        COUNT=len(weights), GLU=up is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        x2, u2, *ws, *ss, *ys, m, k, *nn, *ee, x2.stride(0), u2.stride(0), *(w.stride(0) for w in ws),
+        *(int(quant and s.numel() > 1) for s in ss), *(y.stride(0) for y in ys),
+        COUNT=len(weights), GLU=up is not None, QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
     )
     return [y.reshape(*x.shape[:-1], n) for y, n in zip(outs, ns)]
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, *, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ w.T``: x ``[..., K]`` with at most 16 rows in all, w ``[N, K]`` row-major, one dtype
-    (bf16/fp16). Returns ``[..., N]`` in that dtype (float32 accumulation)."""
-    return gemv_group(x, [w], config=config)[0]
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ w.T`` (times ``scale`` for int8 ``w``): x ``[..., K]`` with at most 16 rows in all, w
+    ``[N, K]`` row-major in x's dtype or int8. Returns ``[..., N]`` in x's dtype (float32 accumulation)."""
+    return gemv_group(x, [w], scales=None if scale is None else [scale], config=config)[0]
+
+
+def hadamard(size: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The normalized regular Hadamard matrix ``[size, size]`` of ConvRot (size a power of 4):
+    ``kron`` powers of ``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] / 2``; symmetric and orthogonal."""
+    if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
+        raise ValueError(f"ConvRot group size must be a power of 4 (>= 4), got {size}")
+    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
+    h = h4
+    while h.shape[0] < size:
+        h = torch.kron(h, h4)
+    return (h / size ** 0.5).to(dtype=dtype, device=device)
+
+
+@triton.jit
+def _rotate_kernel(X, H, Y, K, sx_m, sy_m, G: tl.constexpr, GROUPS: tl.constexpr, BLOCK_J: tl.constexpr,
+                   IEEE: tl.constexpr):
+    # Program (row, group tile, column block): GROUPS consecutive groups of one row as the rows of a
+    # [GROUPS, G] matrix, times columns [j0, j0 + BLOCK_J) of H.
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
+    c = tl.arange(0, G)
+    ok = (grp * G < K)[:, None]
+    x = tl.load(X + row * sx_m + grp[:, None] * G + c[None, :], mask=ok, other=0.0)
+    h = tl.load(H + c[:, None] * G + j[None, :])
+    if IEEE:
+        y = tl.dot(x, h, input_precision="ieee")
+    else:
+        y = tl.dot(x, h)
+    tl.store(Y + row * sy_m + grp[:, None] * G + j[None, :], y.to(Y.dtype.element_ty), mask=ok)
+
+
+def hadamard_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """ConvRot's activation rotation: every group of ``G`` features times ``h`` ``[G, G]``.
+
+    x ``[..., K]`` (bf16/fp16/fp32, K a multiple of G) -> same shape and dtype; float32
+    accumulation, one rounding to x's dtype (as ComfyUI's rotation in x's dtype rounds). With
+    weights rotated as ``W_rot = W @ h.T`` per group, ``rotate(x) @ W_rot.T == x @ W.T``. Triton
+    where it runs (CUDA, or the CPU interpreter), else ``hadamard_rotate_torch``.
+    """
+    g = h.shape[0]
+    if h.shape != (g, g) or x.shape[-1] % g:
+        raise ValueError(f"hadamard_rotate: width {x.shape[-1]} is not a multiple of the group size {g} "
+                         f"(h {tuple(h.shape)})")
+    if triton_device_reason(x.device) is not None:
+        return hadamard_rotate_torch(x, h)
+    k = x.shape[-1]
+    x2 = _rows(x, k)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    groups, block_j = 16, min(64, g)  # 16 groups: the smallest tile the tensor-core dot takes
+    hh = h.to(device=x.device, dtype=x.dtype).contiguous()
+    grid = (x2.shape[0], triton.cdiv(k // g, groups), g // block_j)
+    _rotate_kernel[grid](x2, hh, y, k, x2.stride(0), y.stride(0), G=g, GROUPS=groups, BLOCK_J=block_j,
+                         IEEE=x.dtype == torch.float32, num_warps=4)
+    return y.reshape(x.shape)
+
+
+def hadamard_rotate_torch(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Torch twin of ``hadamard_rotate`` (same math: float32 products, one rounding)."""
+    g = h.shape[0]
+    return (x.reshape(-1, g).float() @ h.to(device=x.device, dtype=torch.float32)).to(x.dtype).reshape(x.shape)

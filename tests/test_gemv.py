@@ -59,8 +59,8 @@ def test_gemv_rejects():
     w = torch.randn(8, 16).half()
     with pytest.raises(ValueError, match="functional.linear"):
         gemv(torch.randn(17, 16).half(), w)
-    with pytest.raises(ValueError, match="bf16 or fp16"):
-        gemv(torch.randn(2, 16), w.float())
+    with pytest.raises(ValueError, match="x's dtype"):
+        gemv(torch.randn(2, 16), w)
     with pytest.raises(ValueError, match="row-major"):
         gemv(torch.randn(2, 16).half(), torch.randn(16, 8).half().T)
     with pytest.raises(ValueError, match="1..4 weights"):

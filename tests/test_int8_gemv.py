@@ -1,0 +1,140 @@
+"""Weight-only INT8 decode-row products (Triton, CPU interpreter) against float64 references built
+from ComfyUI's own dequantization (comfy-kitchen's ``TensorWiseINT8Layout``, ConvRot included)."""
+
+import pytest
+import torch
+from qwen35_fast.kernels.gemv import gemv, gemv_group, hadamard, hadamard_rotate, hadamard_rotate_torch
+
+ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="comfy-kitchen (requirements-dev.txt) is the oracle")
+
+
+def comfy_weight(q: torch.Tensor, scale: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """The float64 weight ComfyUI computes with for int8 ``q`` and ``scale`` (ConvRot when group > 0)."""
+    params = ck_tensor.TensorWiseINT8Layout.Params(
+        scale=scale, orig_dtype=torch.float32, orig_shape=tuple(q.shape), convrot=group > 0,
+        convrot_groupsize=group or 256)
+    return ck_tensor.QuantizedTensor(q, "TensorWiseINT8Layout", params).dequantize().double()
+
+
+def rand_int8(gen, n, k):
+    return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+
+
+def rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 3e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("per_row", [True, False], ids=["row-scale", "tensor-scale"])
+def test_int8_matches_comfy_dequantization(rng, dtype, rows, per_row):
+    """Odd output widths, a K that is not a tile multiple, both scale kinds."""
+    n, k = 37, 100
+    q = rand_int8(rng, n, k)
+    scale = torch.rand(n, 1, generator=rng) * 1e-3 + 1e-4 if per_row else torch.tensor(2e-3)
+    x = torch.randn(rows, k, generator=rng).to(dtype)
+    out = gemv(x, q, scale, config=(16, 32, 4, 2))
+    assert out.shape == (rows, n) and out.dtype == dtype
+    ref = x.double() @ comfy_weight(q, scale).T
+    assert rel(out, ref) < tol(dtype)
+
+
+@pytest.mark.parametrize("group", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_convrot_rotated_input_matches_comfy(rng, group, dtype):
+    """ConvRot: rotating x once and reading the stored (rotated) int8 rows gives x @ W.T with W as
+    ComfyUI dequantizes and un-rotates it; without the rotation the answer is wrong."""
+    n, k, rows = 45, 2 * max(group, 64), 4
+    q = rand_int8(rng, n, k)
+    scale = torch.rand(n, 1, generator=rng) * 1e-3 + 1e-4
+    x = torch.randn(1, rows, k, generator=rng).to(dtype)
+    h = hadamard(group)
+    out = gemv(hadamard_rotate(x, h), q, scale, config=(16, 64, 4, 2))
+    ref = x.double() @ comfy_weight(q, scale, group).T
+    assert out.shape == (1, rows, n)
+    assert rel(out, ref) < tol(dtype)
+    assert rel(gemv(x, q, scale, config=(16, 64, 4, 2)), ref) > 0.3  # the rotation is what makes it right
+
+
+def test_hadamard_is_convrots_matrix():
+    """Our matrix equals comfy-kitchen's ConvRot matrix and is orthogonal."""
+    utils = pytest.importorskip("comfy_kitchen.tensor.int8_utils")
+    for size in (4, 16, 64, 256):
+        h = hadamard(size, dtype=torch.float64)
+        assert torch.allclose(h, utils._build_hadamard(size, dtype=torch.float64), atol=0, rtol=0)
+        assert torch.allclose(h @ h.T, torch.eye(size, dtype=torch.float64), atol=1e-12)
+    with pytest.raises(ValueError, match="power of 4"):
+        hadamard(32)
+
+
+@pytest.mark.parametrize("group", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotation_kernel_matches_kitchen_rotation(rng, group, dtype):
+    """The Triton rotation (3 rows, a width that leaves a partial tile of groups) equals comfy-kitchen's
+    activation rotation in float64, and its torch twin."""
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_activation
+
+    k = group * 19
+    x = torch.randn(3, k, generator=rng).to(dtype)
+    ref = _rotate_activation(x.double(), _build_hadamard(group, dtype=torch.float64), group)
+    h = hadamard(group)
+    out = hadamard_rotate(x, h)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel(out, ref) < tol(dtype)
+    assert rel(hadamard_rotate_torch(x, h), ref) < tol(dtype)
+
+
+def test_int8_group_strided_rows_and_scalar_scales(rng):
+    """Four int8 weights (tiny ones among larger ones) in one launch, x rows with a stride."""
+    k, rows = 64, 3
+    x = torch.randn(1, rows, 2 * k, generator=rng)[..., :k]
+    ns = [5, 70, 2, 33]
+    qs = [rand_int8(rng, n, k) for n in ns]
+    scales = [torch.rand(n, generator=rng) * 1e-3 + 1e-4 for n in ns[:2]] + [torch.tensor([3e-3]), torch.tensor(1e-3)]
+    outs = gemv_group(x, qs, scales=scales, config=(16, 32, 4, 2))
+    for out, q, s, n in zip(outs, qs, scales, ns):
+        assert out.shape == (1, rows, n)
+        assert rel(out, x.double() @ comfy_weight(q, s.reshape(-1, 1) if s.numel() > 1 else s).T) < 1e-5
+
+
+def test_int8_rejects():
+    q = torch.zeros(8, 16, dtype=torch.int8)
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="without a scale"):
+        gemv(x, q)
+    with pytest.raises(ValueError, match="per output row"):
+        gemv(x, q, torch.ones(3))
+    with pytest.raises(ValueError, match="per output row"):
+        gemv(x, q, torch.ones(8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x's dtype"):
+        gemv(x, torch.zeros(8, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="multiple of the group"):
+        hadamard_rotate(torch.randn(2, 20), hadamard(16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gpu_int8_bf16_9b_shapes_and_graph(rows):
+    """bf16 activations at the 9B shapes, ConvRot 256, against ComfyUI's dequantization; a captured
+    graph replayed on a new x equals eager."""
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rows)
+    h = hadamard(256, device="cuda")
+    x = torch.randn(1, rows, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    qs = [torch.randint(-127, 128, (n, 4096), generator=gen, device="cuda", dtype=torch.int8)
+          for n in (8192, 4096, 32, 32)]
+    scales = [torch.rand(q.shape[0], 1, generator=gen, device="cuda") * 1e-3 + 1e-4 for q in qs]
+    xr = hadamard_rotate(x, h)
+    for out, q, s in zip(gemv_group(xr, qs, scales=scales), qs, scales):
+        ref = x.double() @ comfy_weight(q, s, 256).T
+        assert rel(out, ref) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = gemv_group(xr, qs, scales=scales)
+    xr.copy_(hadamard_rotate(torch.randn(1, rows, 4096, generator=gen, device="cuda").to(torch.bfloat16), h))
+    graph.replay()
+    for got, want in zip(outs, gemv_group(xr, qs, scales=scales)):
+        assert torch.equal(got, want)
