@@ -11,7 +11,6 @@ the way ComfyUI's ``BaseGenerate.logits`` does it); the engine imports nothing o
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -21,8 +20,6 @@ import torch.nn.functional as F
 
 from .config import Qwen35Config
 from .errors import Qwen35Error
-
-log = logging.getLogger(__name__)
 
 #: ``weight_cast(module, h)`` -> context manager yielding the cast weight, or None (see ``bind``).
 WeightCast = Callable[[Any, torch.Tensor], AbstractContextManager]

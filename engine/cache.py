@@ -158,16 +158,6 @@ class DeltaNetState:
     def _put(self, saved: tuple) -> None:
         self._states, self._window, self._rows = saved
 
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of (recurrent, conv)."""
-        return self.recurrent.clone(), self.conv.clone()
-
-    def restore(self, snap: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Put back a ``snapshot()`` (drops staged rows)."""
-        self.recurrent.copy_(snap[0])
-        self.conv.copy_(snap[1])
-        self._states, self._window, self._rows = None, None, 0
-
 
 @dataclass
 class StagedDeltaRows:
@@ -316,6 +306,3 @@ class ModelCache:
 
     def delta_states(self) -> list[DeltaNetState]:
         return [x for x in self.layers if isinstance(x, DeltaNetState)]
-
-    def kv_caches(self) -> list[KVCache]:
-        return [x for x in self.layers if isinstance(x, KVCache)]

@@ -122,10 +122,6 @@ class Qwen35Config:
         key = (self.hidden_size, self.num_hidden_layers, self.num_attention_heads, self.linear_num_value_heads)
         return KNOWN_SIZES.get(key, "custom")
 
-    @property
-    def has_mtp(self) -> bool:
-        return self.mtp_num_hidden_layers > 0
-
     def replace(self, **changes) -> Qwen35Config:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -11,7 +11,6 @@ k + 1 rows, accepts a prefix of the drafts plus a correction or bonus token
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ from .rope import RowPositions
 from .sampling import Sampler, token_ids
 from .speculative import accept, draft
 from .stack import attention_backend, build_runner
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

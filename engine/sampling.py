@@ -3,8 +3,9 @@
 ``target_probs`` returns the probabilities ComfyUI's sampler draws from (penalties, temperature,
 top-k, min-p, top-p, in that order and with the same tie rules), so a speculative decoder can
 accept or reject drafts against exactly that distribution. ``sample`` draws from it,
-``speculative_accept`` is the exact accept / resample rule for one draft token, and
-``greedy_accept_count`` is its greedy counterpart.
+``speculative_accept`` is the exact accept / resample rule for one draft token (the greedy rule,
+an exact argmax comparison, is in ``speculative.accept``). ``Sampler`` keeps one generation's
+sampling state.
 
 ComfyUI's filters, restated (``x`` are the logits of one row):
 
@@ -337,16 +338,6 @@ def _check_probs_vector(name: str, probs) -> None:
                          f"{tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs)}")
     if not probs.dtype.is_floating_point:
         raise ValueError(f"speculative_accept: {name} must be a floating tensor, got {probs.dtype}")
-
-
-def greedy_accept_count(target_argmax: Sequence[int], drafts: Sequence[int]) -> int:
-    """Number of leading ``drafts`` equal to ``target_argmax`` at the same position (ints or 0-d tensors)."""
-    count = 0
-    for want, got in zip(target_argmax, drafts):
-        if int(want) != int(got):
-            break
-        count += 1
-    return count
 
 
 def to_device(tokens: list[int], device) -> torch.Tensor:

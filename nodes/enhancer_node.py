@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from comfy_api.latest import io
 
 from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
 from ..patches.prompt_enhancer import MAX_LENGTH_LIMIT, PRESET_NAMES, enhance
-
-log = logging.getLogger(__name__)
 
 
 class Qwen35PromptEnhancer(io.ComfyNode):

@@ -154,8 +154,3 @@ def patch_clip(clip, *, mtp="auto", attention="auto"):
     log.info("Qwen3.5 length-aware decode on %s (mtp=%s, attention=%s)", target.clip_attr, settings.mtp,
              settings.attention)
     return patched
-
-
-def is_patched(clip) -> bool:
-    """True when ``clip`` came out of ``patch_clip``."""
-    return bool(bridge.clip_info(clip).get("patched_generate"))

@@ -1,4 +1,4 @@
-"""Qwen-Image 2.1 prompt-enhancer helpers: official presets, thinking split, answer parsing, sizes.
+"""Qwen-Image 2.1 prompt-enhancer answers: thinking split, answer parsing, latent sizes.
 
 Pure Python (no torch). The enhancer thinks first (``<think> ... </think>``), then answers with
 prose and a JSON object ``{"rewritten_prompt": ..., "wh_ratio": ...[, "ratio_follow": ...]}``.
@@ -16,25 +16,6 @@ import re
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
-
-PRESETS: dict[str, dict] = {
-    "text-to-image": {
-        "temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5,
-        "max_new_tokens": 16256, "thinking": True,
-    },
-    "edit": {
-        "temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0,
-        "max_new_tokens": 24000, "thinking": True,
-    },
-}
-
-
-def get_preset(name: str) -> dict:
-    """A copy of ``PRESETS[name]``; ValueError listing the valid names otherwise."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown prompt-enhancer preset {name!r}; choose one of {sorted(PRESETS)}")
-    return dict(PRESETS[name])
-
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

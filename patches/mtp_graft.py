@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from ..engine import Qwen35Error, bind, build_mtp_head
 from . import comfy_bridge as bridge
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,6 @@ def read_mtp_tensors(path: str, device="cpu") -> dict:
 
 def _engine_config(target: bridge.Qwen35Target):
     """The engine's config for the loaded ComfyUI model (through its binding)."""
-    from ..engine import bind
-
     binding = bind(target.transformer)
     config = getattr(binding, "config", None)
     if config is None:
@@ -82,8 +81,6 @@ def graft_mtp(clip, tensors: dict, *, source: str = "") -> int:
 
     Raises MTPHeadError naming the file and the tensor when the head does not fit the model.
     """
-    from ..engine import Qwen35Error, build_mtp_head
-
     target = bridge.find_qwen35(clip)
     config = _engine_config(target)
     dtype, device = _model_dtype_device(target.model)

@@ -12,11 +12,16 @@ from dataclasses import dataclass
 
 from . import clip_patch
 from . import comfy_bridge as bridge
-from .enhancer_answer import get_preset, parse_answer, size_for_ratio, split_thinking
+from .enhancer_answer import parse_answer, size_for_ratio, split_thinking
 
 log = logging.getLogger(__name__)
 
-PRESET_NAMES = ("text-to-image", "edit", "custom")
+#: The official sampling settings of the two enhancer modes ("custom" takes the node's own values).
+PRESETS: dict[str, dict] = {
+    "text-to-image": {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5},
+    "edit": {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0},
+}
+PRESET_NAMES = (*PRESETS, "custom")
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_LENGTH_LIMIT = 65536
 
@@ -24,13 +29,10 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
 
 
 def preset_settings(name: str) -> dict:
-    """Sampling settings and ``max_length`` of an official preset (``engine.pe.PRESETS``)."""
-    if name not in PRESET_NAMES or name == "custom":
+    """The sampling settings of an official preset (a copy of ``PRESETS[name]``)."""
+    if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
-    preset = get_preset(name)
-    settings = {key: preset[key] for key in _SAMPLING_KEYS}
-    settings["max_length"] = int(preset["max_new_tokens"])
-    return settings
+    return dict(PRESETS[name])
 
 
 def chat_text(system_prompt: str, prompt: str, n_images: int, thinking: bool) -> str:

@@ -1,4 +1,4 @@
-"""Length-aware cache: K/V staging, commit, rollback, overflow; DeltaNet snapshot restore vs replay."""
+"""Length-aware cache: K/V staging, commit, rollback, overflow; DeltaNet per-row states vs replay."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_deltanet_state_commit_picks_row(rng):
         st.commit(3)
     st.commit(7)
     torch.testing.assert_close(st.recurrent, states[2], rtol=0, atol=0)
-    snap = st.snapshot()
+    snap = (st.recurrent.clone(), st.conv.clone())
     st.stage(states, window, 3)
     st.commit(0)
     torch.testing.assert_close(st.recurrent, snap[0], rtol=0, atol=0)
@@ -88,7 +88,8 @@ def test_model_cache_layout(rng):
     kinds = ["kv" if isinstance(x, KVCache) else "dn" for x in cache.layers]
     assert kinds == ["dn", "dn", "dn", "kv"] * 2 and isinstance(cache.mtp, KVCache)
     assert cache.delta_states()[0].recurrent.dtype == torch.float32
-    assert cache.delta_states()[0].conv.shape == (1, cfg.conv_dim, 3) and cache.kv_caches()[0].k.dtype == torch.bfloat16
+    first_kv = next(x for x in cache.layers if isinstance(x, KVCache))
+    assert cache.delta_states()[0].conv.shape == (1, cfg.conv_dim, 3) and first_kv.k.dtype == torch.bfloat16
 
 
 def test_snapshot_restore_vs_deferred_replay(rng):
@@ -127,9 +128,10 @@ def test_snapshot_restore_vs_deferred_replay(rng):
         for s, (q, k, v, g, b) in zip(start, inputs):
             st = DeltaNetState(1, heads, dk, dv, conv_dim=4, kernel=4, dtype=torch.float32, device="cpu")
             st.recurrent.copy_(s)
-            before = st.snapshot()
+            before = (st.recurrent.clone(), st.conv.clone())
             recurrent_rows(st.recurrent, q, k, v, g, b)  # the verify (its states are not kept)
-            st.restore(before)
+            st.recurrent.copy_(before[0])
+            st.conv.copy_(before[1])
             _, again = recurrent_rows(st.recurrent, q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], b[:, :keep])
             st.recurrent.copy_(again[-1])
             out.append(st.recurrent)

@@ -26,14 +26,14 @@ import comfy.sd  # noqa: E402
 import comfy.utils  # noqa: E402
 import comfy_execution.utils as exec_utils  # noqa: E402
 import folder_paths  # noqa: E402
-import qwen35_fast.engine as engine_pkg  # noqa: E402
 import server  # noqa: E402
 from qwen35_fast.engine.errors import Qwen35Error  # noqa: E402
+from qwen35_fast.kernels import ATTENTION_BACKENDS  # noqa: E402
 from qwen35_fast.nodes import extension  # noqa: E402
 from qwen35_fast.nodes.enhancer_node import Qwen35PromptEnhancer  # noqa: E402
 from qwen35_fast.nodes.loader_node import Qwen35CLIPLoader  # noqa: E402
 from qwen35_fast.nodes.patch_node import Qwen35LengthAwarePatch  # noqa: E402
-from qwen35_fast.patches import clip_patch, mtp_graft  # noqa: E402
+from qwen35_fast.patches import clip_patch, mtp_graft, prompt_enhancer  # noqa: E402
 from qwen35_fast.patches import comfy_bridge as bridge  # noqa: E402
 
 SPECIAL = {"<|im_start|>": 248045, "<|im_end|>": 248046, "<|endoftext|>": 248044, "<think>": 248068,
@@ -246,8 +246,13 @@ def test_schemas_are_valid_and_complete():
     assert pe["seed"].control_after_generate
     assert pe["system_prompt"].multiline and pe["prompt"].multiline
     assert pe["images"].optional and pe["images"].io_type == "IMAGE"
-    assert pe["mtp"].options == ["auto", "off", "1", "2", "3", "4", "5"]
-    assert pe["preset"].options == ["text-to-image", "edit", "custom"]
+    # every option a node offers is one the layer below accepts (not a restated list)
+    for sch in (s["Qwen35PromptEnhancer"], s["Qwen35LengthAwarePatch"]):
+        opts = {i.id: i for i in sch.inputs}
+        assert opts["mtp"].default == "auto" and all(bridge.parse_mtp(o) for o in opts["mtp"].options)
+        assert all(o == "auto" or o in ATTENTION_BACKENDS for o in opts["attention"].options)
+    assert {"1", "5"} <= set(pe["mtp"].options) and set(pe["attention"].options) >= set(ATTENTION_BACKENDS)
+    assert all(o == "custom" or prompt_enhancer.preset_settings(o) for o in pe["preset"].options)
     assert pe["thinking"].default is True
     assert [o.io_type for o in s["Qwen35PromptEnhancer"].outputs] == ["STRING", "STRING", "STRING", "INT", "INT",
                                                                        "BOOLEAN"]
@@ -469,7 +474,7 @@ def te_folder(tmp_path, monkeypatch):
             raise Qwen35Error("mtp.fc.weight has shape [2, 3], expected [2, 4]")
         return torch.nn.Linear(4, 2)
 
-    monkeypatch.setattr(engine_pkg, "build_mtp_head", fake_build)
+    monkeypatch.setattr(mtp_graft, "build_mtp_head", fake_build)
     monkeypatch.setattr(mtp_graft, "_engine_config", lambda target: "config")
     yield tmp_path, grafts
     comfy.sd.LOADER = None

@@ -1,4 +1,4 @@
-"""Prompt-enhancer helpers: presets, thinking split, answer parsing (valid and broken), sizes.
+"""Prompt-enhancer answers: thinking split, answer parsing (valid and broken), sizes.
 
 The answers below are written by hand in the shapes the enhancer produces (and breaks).
 """
@@ -11,9 +11,7 @@ import random
 
 import pytest
 from qwen35_fast.patches.enhancer_answer import (
-    PRESETS,
     PEResult,
-    get_preset,
     parse_answer,
     parse_ratio,
     size_for_ratio,
@@ -27,21 +25,6 @@ def py_rng():
     seed = random.SystemRandom().randrange(2**31)
     print(f"seed={seed}")
     return random.Random(seed)
-
-
-# ------------------------------------------------------------------------------------------
-# Presets
-# ------------------------------------------------------------------------------------------
-
-def test_presets_are_the_official_settings():
-    common = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "thinking": True}
-    assert PRESETS["text-to-image"] == {**common, "presence_penalty": 1.5, "max_new_tokens": 16256}
-    assert PRESETS["edit"] == {**common, "presence_penalty": 0.0, "max_new_tokens": 24000}
-    copy = get_preset("edit")
-    copy["top_k"] = 1
-    assert PRESETS["edit"]["top_k"] == 20
-    with pytest.raises(ValueError, match="choose one of"):
-        get_preset("t2i")
 
 
 # ------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import torch
 from qwen35_fast.engine.sampling import (
     SamplingParams,
     acceptance_probability,
-    greedy_accept_count,
     residual_distribution,
     sample,
     speculative_accept,
@@ -455,26 +454,6 @@ def test_speculative_accept_empirical_point_mass(rng):
             counts[_kept_token(p, d, None, base + i)] += 1
         pv = _chi_square_pvalue(counts, p.double())
         assert pv > ALPHA, f"p={p.tolist()} d={d} counts={counts.tolist()} pvalue={pv:.3g}"
-
-
-# ------------------------------------------------------------------------------------------
-# greedy_accept_count
-# ------------------------------------------------------------------------------------------
-
-def test_greedy_accept_count(rng):
-    assert greedy_accept_count([], []) == 0
-    assert greedy_accept_count([5, 6, 7, 8], [5, 6, 7]) == 3  # verify returns one extra argmax
-    assert greedy_accept_count([5, 6, 7], [4, 6, 7]) == 0
-    assert greedy_accept_count([5, 6, 7], [5, 9, 7]) == 1
-    assert greedy_accept_count(torch.tensor([1, 2, 3]), [1, 2, 4]) == 2
-    for _ in range(200):
-        k = int(torch.randint(0, 8, (1,), generator=rng))
-        target = torch.randint(0, 3, (k + 1,), generator=rng).tolist()
-        drafts = torch.randint(0, 3, (k,), generator=rng).tolist()
-        want = 0
-        while want < k and drafts[want] == target[want]:
-            want += 1
-        assert greedy_accept_count(target, drafts) == want
 
 
 # ------------------------------------------------------------------------------------------
