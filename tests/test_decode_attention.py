@@ -182,7 +182,7 @@ def test_reference_is_a_real_oracle(rng):
 
 
 # ---------------------------------------------------------------- GPU (skipped without CUDA)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped where conftest.gpu_reason() says the GPU kernels cannot run
 
 
 def reference_f64_gpu(q, k, v, lengths, causal):

@@ -7,8 +7,6 @@ import pytest
 import torch
 from qwen35_fast.kernels.deltanet_step import gated_delta_step
 
-HAS_CUDA = torch.cuda.is_available()
-
 
 def oracle(qkv, z, a, b, conv_state, conv_w, a_log, dt_bias, state, norm_w, eps, hk):
     """Row by row in float64: conv+SiLU, L2 norms, gates, delta rule, gated RMSNorm (no pack code)."""
@@ -141,7 +139,7 @@ def test_bad_inputs(rng):
         run(bad, 1e-6, 2)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, (1, 4), (1, 16), (2, 8), (4, 4)])
 @pytest.mark.parametrize("s", [1, 4, 8])
 def test_gpu_bf16_9b_shape(s, config):
@@ -154,7 +152,7 @@ def test_gpu_bf16_9b_shape(s, config):
     assert rel(out, ref_out) < 2e-2
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 def test_gpu_graph_replay_matches_eager():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     inputs = make(gen, 1, 4, 16, 32, 128, 128, 4, torch.bfloat16)

@@ -4,8 +4,6 @@ Also the graph gate itself (CPU): a model that is not entirely on the execution 
 backend that syncs with the host, runs eagerly and says why.
 """
 
-import random
-
 import pytest
 import torch
 from qwen35_fast.engine import bind, generate
@@ -14,7 +12,7 @@ from qwen35_fast.engine.graphs import graph_blocker
 
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped where conftest.gpu_reason() says the GPU kernels cannot run
 
 
 def _model(tmp_path, seed, device, dtype=torch.float32):
@@ -24,8 +22,8 @@ def _model(tmp_path, seed, device, dtype=torch.float32):
     return engine_model(sd, tmp_path, dtype=dtype, device=device), d
 
 
-def test_graph_gate_on_cpu(tmp_path):
-    model, _ = _model(tmp_path, random.randrange(1000), "cpu")
+def test_graph_gate_on_cpu(tmp_path, test_seed):
+    model, _ = _model(tmp_path, test_seed % 1000, "cpu")
     b = bind(model)
     assert "CUDA device" in graph_blocker(b, torch.device("cpu"), torch.float32, "auto")
     prompt = torch.randn(5, 128)
@@ -36,8 +34,8 @@ def test_graph_gate_on_cpu(tmp_path):
 
 
 @gpu
-def test_graph_gate_on_gpu(tmp_path):
-    model, _ = _model(tmp_path, random.randrange(1000), "cuda")
+def test_graph_gate_on_gpu(tmp_path, test_seed):
+    model, _ = _model(tmp_path, test_seed % 1000, "cuda")
     b = bind(model)
     dev = torch.device("cuda")
     assert graph_blocker(b, dev, torch.float32, "auto") is None
@@ -48,8 +46,8 @@ def test_graph_gate_on_gpu(tmp_path):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_steps_equal_eager(tmp_path, dtype):
-    seed = random.randrange(1000)
+def test_graph_steps_equal_eager(tmp_path, dtype, test_seed):
+    seed = test_seed % 1000
     model, d = _model(tmp_path, seed, "cuda", dtype)
     prompt = torch.randn(1, 23, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     prompt = prompt.to(dtype)
@@ -69,8 +67,8 @@ def test_graph_steps_equal_eager(tmp_path, dtype):
 
 
 @gpu
-def test_graph_interrupt_then_reuse(tmp_path):
-    model, d = _model(tmp_path, random.randrange(1000), "cuda")
+def test_graph_interrupt_then_reuse(tmp_path, test_seed):
+    model, d = _model(tmp_path, test_seed % 1000, "cuda")
     prompt = torch.randn(1, 9, d["hidden_size"], device="cuda")
     first = generate(model, prompt, do_sample=False, max_length=30, stop_tokens=[], mtp=2)
 
@@ -84,10 +82,10 @@ def test_graph_interrupt_then_reuse(tmp_path):
 
 
 @gpu
-def test_fused_path_equals_torch_path_gpu(tmp_path):
+def test_fused_path_equals_torch_path_gpu(tmp_path, test_seed):
     """float32 on the GPU: the fused kernels give the torch path's tokens, MTP off and on, with and
     without graphs; fused='auto' picks them on CUDA."""
-    seed = random.randrange(1000)
+    seed = test_seed % 1000
     model, d = _model(tmp_path, seed, "cuda")
     prompt = torch.randn(1, 17, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     from qwen35_fast.engine.fused import FusedPlan

@@ -15,7 +15,7 @@ from qwen35_fast.kernels import fused_ops as fo
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+gpu = pytest.mark.gpu  # skipped where conftest.gpu_reason() says the GPU kernels cannot run
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu)]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # kernel vs float64 oracle
 TORCH_TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # kernel vs *_torch

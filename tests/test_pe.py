@@ -20,11 +20,9 @@ from qwen35_fast.patches.enhancer_answer import (
 
 
 @pytest.fixture
-def py_rng():
-    """A freshly seeded ``random.Random`` (seed printed on failure)."""
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"seed={seed}")
-    return random.Random(seed)
+def py_rng(test_seed):
+    """A ``random.Random`` seeded with the test seed (printed on failure)."""
+    return random.Random(test_seed)
 
 
 # ------------------------------------------------------------------------------------------
