@@ -587,3 +587,75 @@ def fetch_pe_file(name: str, dest_dir: str, *, progress: Progress | None = None)
         pass
     log.info("%s is ready in %s", name, dest_dir)
     return dest
+
+
+# --------------------------------------------------------------------------------------------
+# What the loader node offers
+# --------------------------------------------------------------------------------------------
+
+DOWNLOAD = "download ({})"
+
+
+def mtp_download_options() -> list[str]:
+    """Loader ``mtp_head`` choices that fetch the head on first use; the 9B enhancer's first."""
+    sizes = ["9B", *[s for s in MTP_BASE_REPOS if s != "9B"]]
+    return [DOWNLOAD.format(MTP_BASE_REPOS[s]) for s in sizes]
+
+
+def download_repo(option: str) -> str | None:
+    """The repository of a ``download (<repo>)`` choice, else None."""
+    if isinstance(option, str) and option.startswith("download (") and option.endswith(")"):
+        return option[len("download ("):-1]
+    return None
+
+
+def mtp_head_for(option: str, clip_path: str, dest_dir: str, *, progress: Progress | None = None) -> str:
+    """Path of the MTP head a ``download (<repo>)`` choice stands for, fetched on first use.
+
+    The size comes from the main checkpoint's tensor shapes (header only), which also give the
+    shapes the head must have; a repository of another size is refused, naming the right one.
+    """
+    from ..engine import Qwen35Config, Qwen35Error
+
+    repo = download_repo(option)
+    if repo is None:
+        raise ValueError(f"{option!r} is not a download choice")
+    name = os.path.basename(clip_path)
+    try:
+        config = Qwen35Config.from_state_dict(tensor_shapes(local_header(clip_path)))
+    except Qwen35Error as exc:
+        raise FetchError(f"{name}: cannot tell the Qwen3.5 size from its tensors ({exc}).") from exc
+    size = config.size_name
+    want = MTP_BASE_REPOS.get(size)
+    if want is None:
+        raise FetchError(f"{name} is not one of the released Qwen3.5 sizes ({', '.join(MTP_BASE_REPOS)}), so no "
+                         "base repository holds its MTP head: pick an MTP head file, or 'none'.")
+    if want != repo:
+        raise FetchError(f"{name} is a Qwen3.5 {size}; its MTP head comes from {want}, not {repo}: pick "
+                         f"'{DOWNLOAD.format(want)}'.")
+    return fetch_mtp_head(size, dest_dir, expected_shapes=config.mtp_shapes(), progress=progress)
+
+
+def comfy_progress() -> Progress:
+    """A callback driving a ComfyUI progress bar in MiB; checks Cancel at every update."""
+    import comfy.utils
+
+    state = {"bar": None, "mib": -1}
+
+    def update(done: int, total: int) -> None:
+        mib_total = max(1, math.ceil(total / MIB))
+        if state["bar"] is None:
+            state["bar"] = comfy.utils.ProgressBar(mib_total)
+        mib = done // MIB
+        if mib != state["mib"]:
+            state["mib"] = mib
+            state["bar"].update_absolute(min(mib, mib_total), mib_total)
+        try:
+            import comfy.model_management as mm
+        except ImportError:
+            return
+        check = getattr(mm, "throw_exception_if_processing_interrupted", None)
+        if check is not None:
+            check()  # Cancel: the .part file stays and the next run resumes it
+
+    return update

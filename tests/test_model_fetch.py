@@ -254,3 +254,17 @@ def test_extract_tool_ships_and_matches_the_download(hub, repo, tmp_path):
                           str(tmp_path / "none.safetensors")], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no mtp.* tensors" in bad.stderr
     assert not (tmp_path / "none.safetensors").exists()
+
+
+def test_loader_download_choice_picks_the_base_repo_of_the_size(hub, repo, tmp_path, monkeypatch):
+    files, sd = repo
+    assert mf.mtp_download_options()[0] == "download (Qwen/Qwen3.5-9B)"
+    assert mf.download_repo("download (Qwen/Qwen3.5-4B)") == "Qwen/Qwen3.5-4B" and mf.download_repo("x") is None
+    main = save({k: v for k, v in sd.items() if not k.startswith("mtp.")}, tmp_path / "main.safetensors")
+    with pytest.raises(mf.FetchError, match="not one of the released Qwen3.5 sizes"):
+        mf.mtp_head_for("download (Qwen/Qwen3.5-9B)", main, str(tmp_path / "te"))
+    monkeypatch.setitem(mf.MTP_BASE_REPOS, "custom", REPO)  # the tiny model stands in for a released size
+    with pytest.raises(mf.FetchError, match=r"its MTP head comes from Qwen/Qwen3.5-9B.*download \(Qwen/Qwen3.5-9B\)"):
+        mf.mtp_head_for("download (Qwen/Qwen3.5-4B)", main, str(tmp_path / "te"))
+    path = mf.mtp_head_for("download (Qwen/Qwen3.5-9B)", main, str(tmp_path / "te"))
+    assert set(load_file(path)) == {k for k in sd if k.startswith("mtp.")}
