@@ -1,18 +1,21 @@
-"""CLIP -> CLIP patch: route a ComfyUI Qwen3.5 CLIP's ``generate`` through the engine.
+"""CLIP -> CLIP patch: route every Qwen3.5 generation entry point of a ComfyUI CLIP through the engine.
 
-``patch_clip`` clones the CLIP and adds two object patches on the clone's ModelPatcher (ComfyUI
-applies them while that clone is loaded and restores the originals when another patcher of the
-same model is loaded), so the input CLIP and every other clone keep core behaviour:
+``patch_clip`` clones the CLIP and adds object patches on the clone's ModelPatcher (ComfyUI applies
+them while that clone is loaded and restores the originals when another patcher of the same model
+is loaded), so the input CLIP and every other clone keep core behaviour. Entry points, with the
+argument sets the ComfyUI versions pass (0.29.0; the FixedKVBias and FixedKVCache generations):
 
 * ``<clip_attr>.generate(tokens, ...)`` (``SDClipModel.generate``, reached by ``CLIP.generate`` and
-  therefore by core ``TextGenerate``): builds the embeddings AND the MRoPE image positions with
-  ComfyUI's own ``process_tokens``, then calls the engine;
-* ``<clip_attr>.transformer.generate(embeds, ...)`` (``BaseGenerate.generate``) for callers that go
-  straight to the transformer with embeddings; it accepts the keyword arguments the ComfyUI
-  versions pass there (``initial_tokens``, ``execution_dtype``, ``position_ids``, ``embeds_info``,
-  ``min_tokens``, ``stop_tokens``, ``mtp``...).
+  therefore by core ``TextGenerate``; newer versions add ``mtp=``): builds the embeddings AND the
+  MRoPE image positions with ComfyUI's own ``process_tokens``, then calls the engine;
+* ``<clip_attr>.transformer.generate(embeds, ...)`` (``BaseGenerate.generate`` / ``Qwen35.generate``)
+  for callers that go straight to the transformer with embeddings;
+* ``<clip_attr>.transformer._generate_mtp(embeds, max_length, stop_tokens, sampling, fixed_depth
+  [, position_ids])``, core's private MTP loop on versions that have one (other node packs call it
+  directly).
 
-Nothing global is modified.
+An argument none of these versions passes raises ``Qwen35Unsupported`` on the patched clone (never a
+silent fallback); the input CLIP is never touched. Nothing global is modified.
 """
 
 from __future__ import annotations
@@ -65,16 +68,20 @@ class _EngineGenerate:
         self.settings = settings
         self.tokenizer = tokenizer
 
+    entry = "generate"
+
     def _run(self, embeds, position_ids, caller_kwargs: dict, **sampling):
         mtp = _caller_mtp(self.settings.mtp, caller_kwargs.pop("mtp", None))
-        _ignore_extra(caller_kwargs)
+        _refuse_unknown(self.entry, caller_kwargs)
         return bridge.run_engine(
             self.target, embeds, mtp=mtp, attention=self.settings.attention, position_ids=position_ids,
             decode=_decoder(self.tokenizer), label="Qwen3.5 length-aware generate", **sampling)
 
 
 class TokensGenerate(_EngineGenerate):
-    """Replacement for ``SDClipModel.generate(tokens, do_sample, max_length, ...)``."""
+    """Replacement for ``SDClipModel.generate(tokens, do_sample, max_length, ...[, mtp])``."""
+
+    entry = "SDClipModel.generate"
 
     def __call__(self, tokens, do_sample=True, max_length=256, temperature=1.0, top_k=50, top_p=0.95,
                  min_p=0.0, repetition_penalty=1.0, seed=None, presence_penalty=0.0, **kwargs):
@@ -90,7 +97,9 @@ class TokensGenerate(_EngineGenerate):
 
 
 class EmbedsGenerate(_EngineGenerate):
-    """Replacement for ``BaseGenerate.generate(embeds, do_sample, max_length, ...)``."""
+    """Replacement for ``BaseGenerate.generate`` / ``Qwen35.generate(embeds, do_sample, max_length, ...[, mtp])``."""
+
+    entry = "Qwen35.generate"
 
     def __call__(self, embeds=None, do_sample=True, max_length=256, temperature=1.0, top_k=50, top_p=0.9,
                  min_p=0.0, repetition_penalty=1.0, seed=42, stop_tokens=None, initial_tokens=(),
@@ -113,6 +122,35 @@ class EmbedsGenerate(_EngineGenerate):
             min_tokens=min_tokens, execution_dtype=execution_dtype)
 
 
+class MTPLoopGenerate(_EngineGenerate):
+    """Replacement for core's ``Qwen35._generate_mtp(embeds, max_length, stop_tokens, sampling=None,
+    fixed_depth=None[, position_ids])``: ``sampling`` None is greedy, else a dict of core's sampling
+    settings; ``fixed_depth`` is the caller's draft depth (used under mtp "auto")."""
+
+    entry = "Qwen35._generate_mtp"
+    SAMPLING_KEYS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                               "seed"})
+
+    def __call__(self, embeds, max_length, stop_tokens=None, sampling=None, fixed_depth=None, position_ids=None,
+                 **kwargs):
+        if embeds.ndim == 2:
+            embeds = embeds.unsqueeze(0)
+        if sampling is not None:
+            unknown = sorted(set(sampling) - self.SAMPLING_KEYS)
+            if unknown:
+                raise bridge.Qwen35Unsupported(
+                    f"{self.entry}() got sampling settings {unknown} this pack does not know; remove the "
+                    "'Length-aware decode (Qwen3.5)' node for this caller or update the pack.")
+        s = dict(sampling or {})
+        if fixed_depth is not None:
+            kwargs["mtp"] = int(fixed_depth)
+        return self._run(
+            embeds, position_ids, kwargs, do_sample=sampling is not None, max_length=max_length,
+            temperature=s.get("temperature", 1.0), top_k=s.get("top_k", 0), top_p=s.get("top_p", 1.0),
+            min_p=s.get("min_p", 0.0), repetition_penalty=s.get("repetition_penalty", 1.0),
+            seed=s.get("seed", 42), presence_penalty=s.get("presence_penalty", 0.0) or 0.0, stop_tokens=stop_tokens)
+
+
 def _caller_mtp(patch_mtp, caller_mtp):
     """The patch node's MTP choice wins; a caller's value is only used under "auto"."""
     if patch_mtp != "auto" or caller_mtp is None:
@@ -126,9 +164,12 @@ def _caller_mtp(patch_mtp, caller_mtp):
         return patch_mtp
 
 
-def _ignore_extra(kwargs: Mapping) -> None:
+def _refuse_unknown(entry: str, kwargs: Mapping) -> None:
     if kwargs:
-        log.debug("length-aware generate ignores arguments it does not use: %s", sorted(kwargs))
+        raise bridge.Qwen35Unsupported(
+            f"{entry}() got arguments the length-aware decode does not know: {sorted(kwargs)}. This ComfyUI "
+            "(or the calling node) passes something newer than this pack supports: update the pack, or "
+            "remove the 'Length-aware decode (Qwen3.5)' node for this model.")
 
 
 def patch_clip(clip, *, mtp="auto", attention="auto"):
@@ -150,7 +191,12 @@ def patch_clip(clip, *, mtp="auto", attention="auto"):
     tokenizer = getattr(clip, "tokenizer", None)
     patched.patcher.add_object_patch(target.generate_path, TokensGenerate(target, settings, tokenizer))
     patched.patcher.add_object_patch(target.transformer_generate_path, EmbedsGenerate(target, settings, tokenizer))
+    routed = ["generate(tokens)", "generate(embeds)"]
+    if callable(getattr(target.transformer, "_generate_mtp", None)):  # core's own MTP loop (newer ComfyUI)
+        patched.patcher.add_object_patch(f"{target.clip_attr}.transformer._generate_mtp",
+                                         MTPLoopGenerate(target, settings, tokenizer))
+        routed.append("_generate_mtp")
     bridge.set_clip_info(patched, patched_generate=True, mtp=str(settings.mtp), attention=settings.attention)
-    log.info("Qwen3.5 length-aware decode on %s (mtp=%s, attention=%s)", target.clip_attr, settings.mtp,
-             settings.attention)
+    log.info("Qwen3.5 length-aware decode on %s (mtp=%s, attention=%s; routed: %s)", target.clip_attr, settings.mtp,
+             settings.attention, ", ".join(routed))
     return patched
