@@ -5,7 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
-from ..patches.prompt_enhancer import MAX_LENGTH_LIMIT, PRESET_NAMES, enhance
+from ..patches.enhancer_images import MAX_IMAGES
+from ..patches.prompt_enhancer import MAX_LENGTH_LIMIT, OFFICIAL, PRESET_NAMES, enhance
 
 
 class Qwen35PromptEnhancer(io.ComfyNode):
@@ -23,9 +24,10 @@ class Qwen35PromptEnhancer(io.ComfyNode):
                 io.Clip.Input("clip", tooltip="The prompt-enhancer CLIP (Load Qwen3.5 CLIP (MTP))."),
                 io.String.Input("prompt", multiline=True, dynamic_prompts=True, default="",
                                 tooltip="Your prompt (text-to-image) or edit instruction (edit)."),
-                io.String.Input("system_prompt", multiline=True, default="",
-                                tooltip="System prompt. Paste the official Qwen-Image 2.1 enhancer prompt "
-                                        "for the chosen mode; it is not bundled."),
+                io.String.Input("system_prompt", multiline=True, default=OFFICIAL,
+                                tooltip="'official': Qwen's system prompt for the preset (fetched once from "
+                                        "Qwen/Qwen-Image-2.1-PE-T2I or -I2I into models/qwen_image_pe, Qwen "
+                                        "Research License). Any other text replaces it."),
                 io.Combo.Input("preset", options=list(PRESET_NAMES), default="text-to-image",
                                tooltip="Official sampling settings (text-to-image: presence penalty "
                                        "1.5; edit: 0; both temperature 1, top_p 0.95, top_k 20). "
@@ -39,9 +41,10 @@ class Qwen35PromptEnhancer(io.ComfyNode):
                 io.Boolean.Input("thinking", default=True, tooltip="Let the model think first (official)."),
                 io.Float.Input("megapixels", default=1.0, min=0.1, max=16.0, step=0.05,
                                tooltip="Target size of the width/height outputs."),
-                io.Image.Input("images", optional=True,
-                               tooltip="Input image(s) for edit mode; needs a checkpoint with vision "
-                                       "weights (the _i2i enhancer file)."),
+                *[io.Image.Input(f"image{k}", optional=True,
+                                 tooltip=f"Input image {k} for edit mode, <image{k}> in the prompt; any size "
+                                         "(capped at 1 MP). Needs the _i2i enhancer file.")
+                  for k in range(1, MAX_IMAGES + 1)],
                 io.Float.Input("temperature", default=1.0, min=0.0, max=2.0, step=0.01, optional=True,
                                advanced=True, tooltip="Used with preset 'custom' only."),
                 io.Int.Input("top_k", default=20, min=0, max=1000, optional=True, advanced=True,
@@ -59,6 +62,9 @@ class Qwen35PromptEnhancer(io.ComfyNode):
                 io.String.Output(display_name="rewritten_prompt"),
                 io.String.Output(display_name="thinking"),
                 io.String.Output(display_name="wh_ratio"),
+                io.String.Output(display_name="ratio_follow",
+                                 tooltip="The input image whose shape the result keeps (e.g. <image1>); width "
+                                         "and height follow it when set."),
                 io.Int.Output(display_name="width"),
                 io.Int.Output(display_name="height"),
                 io.Boolean.Output(display_name="parse_ok"),
@@ -67,11 +73,13 @@ class Qwen35PromptEnhancer(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip, prompt, system_prompt, preset, max_length, seed, mtp, thinking, megapixels,
-                images=None, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5,
-                attention="auto") -> io.NodeOutput:
+                temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5,
+                attention="auto", **images) -> io.NodeOutput:
         custom = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       presence_penalty=presence_penalty)
-        r = enhance(clip, prompt, system_prompt=system_prompt, images=images, preset=preset, custom=custom,
+        ordered = [images.get(f"image{k}") for k in range(1, MAX_IMAGES + 1)]
+        r = enhance(clip, prompt, system_prompt=system_prompt, images=ordered, preset=preset, custom=custom,
                     max_length=max_length, seed=seed, mtp=mtp, attention=attention, thinking=thinking,
                     megapixels=megapixels)
-        return io.NodeOutput(r.rewritten_prompt, r.thinking, r.wh_ratio, r.width, r.height, r.parse_ok)
+        return io.NodeOutput(r.rewritten_prompt, r.thinking, r.wh_ratio, r.ratio_follow, r.width, r.height,
+                             r.parse_ok)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..patches import model_fetch
 from ..patches.clip_loader import NO_MTP_FILE, load_qwen35_clip
 
 
@@ -13,6 +14,7 @@ class Qwen35CLIPLoader(io.ComfyNode):
         import folder_paths
 
         files = folder_paths.get_filename_list("text_encoders")
+        offered = [n for n in model_fetch.PE_FILES if n not in files]  # downloaded when picked
         return io.Schema(
             node_id="Qwen35FastCLIPLoader",
             display_name="Load Qwen3.5 CLIP (MTP)",
@@ -21,13 +23,17 @@ class Qwen35CLIPLoader(io.ComfyNode):
             description="Loads a Qwen3.5 text encoder (any size, incl. the Comfy-Org int8_convrot "
                         "prompt-enhancer files) as a core CLIP and grafts an MTP head for faster decoding.",
             inputs=[
-                io.Combo.Input("clip_name", options=files,
+                io.Combo.Input("clip_name", options=[*files, *offered],
                                tooltip="Qwen3.5 checkpoint in models/text_encoders, e.g. "
-                                       "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"),
-                io.Combo.Input("mtp_head", options=[NO_MTP_FILE, *files], default=NO_MTP_FILE,
-                               tooltip="File with the mtp.* tensors of the same Qwen3.5 size (for the 9B "
-                                       "enhancer: the MTP head of Qwen/Qwen3.5-9B). 'none' uses the "
-                                       "main file's mtp.* tensors if it has any, else MTP is off."),
+                                       "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors. A Comfy-Org "
+                                       "enhancer file you do not have yet is listed too and downloaded "
+                                       "(about 10 GB, with progress) the first time it runs."),
+                io.Combo.Input("mtp_head", options=[*model_fetch.mtp_download_options(), NO_MTP_FILE, *files],
+                               default=model_fetch.mtp_download_options()[0],
+                               tooltip="The MTP head (mtp.* tensors of the same Qwen3.5 size). 'download "
+                                       "(Qwen/Qwen3.5-9B)' fetches only those tensors of the base model once "
+                                       "(about 0.5 GB) into models/text_encoders; or pick a head file; 'none' "
+                                       "uses the main file's mtp.* tensors if it has any, else MTP is off."),
                 io.Combo.Input("device", options=["default", "cpu"], default="default", optional=True,
                                advanced=True),
             ],
@@ -41,9 +47,17 @@ class Qwen35CLIPLoader(io.ComfyNode):
     def execute(cls, clip_name, mtp_head=NO_MTP_FILE, device="default") -> io.NodeOutput:
         import folder_paths
 
-        clip_path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        folder = folder_paths.get_folder_paths("text_encoders")[0]
+        try:
+            clip_path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        except FileNotFoundError:
+            if clip_name not in model_fetch.PE_FILES:
+                raise
+            clip_path = model_fetch.fetch_pe_file(clip_name, folder, progress=model_fetch.comfy_progress())
         mtp_path = None
-        if mtp_head and mtp_head != NO_MTP_FILE:
+        if model_fetch.download_repo(mtp_head):
+            mtp_path = model_fetch.mtp_head_for(mtp_head, clip_path, folder, progress=model_fetch.comfy_progress())
+        elif mtp_head and mtp_head != NO_MTP_FILE:
             mtp_path = folder_paths.get_full_path_or_raise("text_encoders", mtp_head)
         result = load_qwen35_clip(clip_path, mtp_path, device=device,
                                   embedding_directory=folder_paths.get_folder_paths("embeddings"))

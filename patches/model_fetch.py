@@ -646,7 +646,7 @@ def comfy_progress() -> Progress:
         mib_total = max(1, math.ceil(total / MIB))
         if state["bar"] is None:
             state["bar"] = comfy.utils.ProgressBar(mib_total)
-        mib = done // MIB
+        mib = mib_total if done >= total else done // MIB
         if mib != state["mib"]:
             state["mib"] = mib
             state["bar"].update_absolute(min(mib, mib_total), mib_total)

@@ -1,8 +1,9 @@
 """The Qwen-Image 2.1 prompt enhancer on a ComfyUI CLIP: chat text -> ComfyUI tokens -> the
 length-aware patch -> engine -> thinking / answer / parsed JSON / latent size.
 
-Presets carry the official sampling settings; the official system prompt is not bundled (the user
-pastes it). Thinking is on by default, as in the official pipeline.
+Presets carry the official sampling settings; the system prompt ``"official"`` is Qwen's own for the
+preset, fetched once into the models folder (not bundled: Qwen Research License); text the user writes
+replaces it. Edit mode takes up to 10 images. Thinking is on by default, as in the official pipeline.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from . import clip_patch
+from . import clip_patch, enhancer_images, model_fetch
 from . import comfy_bridge as bridge
 from .enhancer_answer import parse_answer, size_for_ratio, split_thinking
 
@@ -22,6 +23,8 @@ PRESETS: dict[str, dict] = {
     "edit": {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0},
 }
 PRESET_NAMES = (*PRESETS, "custom")
+#: The system_prompt value that means "Qwen's official prompt for this preset" (fetched once, then offline).
+OFFICIAL = "official"
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_LENGTH_LIMIT = 65536
 
@@ -45,11 +48,30 @@ def chat_text(system_prompt: str, prompt: str, n_images: int, thinking: bool) ->
     return "".join(parts)
 
 
-def split_images(images) -> list:
-    """An IMAGE batch ``[B, H, W, C]`` (or None) as a list of single images ``[1, H, W, C]``."""
-    if images is None:
-        return []
-    return [images[i:i + 1] for i in range(images.shape[0])]
+def _models_dir() -> str:
+    import folder_paths
+
+    return folder_paths.models_dir
+
+
+def resolve_system_prompt(system_prompt: str, preset: str) -> str:
+    """The system prompt to use: Qwen's official one for ``"official"``, else the user's text.
+
+    Empty is refused for the official presets (the enhancer without its instructions answers badly,
+    and silently); ``custom`` may run without one.
+    """
+    text = (system_prompt or "").strip()
+    if text.lower() == OFFICIAL:
+        if preset not in model_fetch.PROMPT_REPOS:
+            raise ValueError(f"system_prompt '{OFFICIAL}' needs preset text-to-image or edit (each has its own "
+                             "official prompt); with preset 'custom' write the system prompt yourself.")
+        return model_fetch.official_system_prompt(preset, _models_dir())
+    if not text and preset in model_fetch.PROMPT_REPOS:
+        raise ValueError(
+            f"The system prompt is empty, so the {preset} enhancer would run without its instructions. Set "
+            f"system_prompt to '{OFFICIAL}' (Qwen's prompt for this preset, fetched once from "
+            f"{model_fetch.PROMPT_REPOS[preset]}) or write your own; only preset 'custom' runs without one.")
+    return text
 
 
 @dataclass
@@ -57,6 +79,7 @@ class EnhancerResult:
     rewritten_prompt: str
     thinking: str
     wh_ratio: str
+    ratio_follow: str
     width: int
     height: int
     parse_ok: bool
@@ -73,9 +96,7 @@ def check_inputs(clip, prompt: str, images, max_length: int) -> bridge.Qwen35Tar
     if not isinstance(max_length, int) or isinstance(max_length, bool) or not 1 <= max_length <= MAX_LENGTH_LIMIT:
         raise ValueError(f"max_length must be between 1 and {MAX_LENGTH_LIMIT}, got {max_length!r}. The "
                          "official settings use 16256 (text-to-image) and 24000 (edit).")
-    if images is not None:
-        if getattr(images, "ndim", 0) != 4 or images.shape[-1] not in (3, 4):
-            raise ValueError("images must be an IMAGE batch [B, H, W, C]; connect a Load Image node.")
+    if images:
         if bridge.has_vision_weights(clip) is False:
             raise ValueError(
                 "Images were connected but this Qwen3.5 checkpoint has no vision weights (model.visual.*). "
@@ -84,17 +105,21 @@ def check_inputs(clip, prompt: str, images, max_length: int) -> bridge.Qwen35Tar
     return target
 
 
-def enhance(clip, prompt: str, *, system_prompt: str = "", images=None, preset: str = "text-to-image",
+def enhance(clip, prompt: str, *, system_prompt: str = OFFICIAL, images=None, preset: str = "text-to-image",
             custom: dict | None = None, max_length: int = 16256, seed: int = 0, mtp="auto",
             attention: str = "auto", thinking: bool = True, megapixels: float = 1.0) -> EnhancerResult:
     """Run the prompt enhancer; ``custom`` sampling values are used when ``preset == "custom"``."""
-    check_inputs(clip, prompt, images, max_length)
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    image_list = enhancer_images.prepare_images(images or [])
+    check_inputs(clip, prompt, image_list, max_length)
+    enhancer_images.check_image_references(prompt, len(image_list))
     if preset == "custom":
         settings = {k: (custom or {})[k] for k in _SAMPLING_KEYS}
     else:
         settings = preset_settings(preset)
-    image_list = split_images(images)
-    text = chat_text(system_prompt or "", prompt, len(image_list), thinking)
+    system = resolve_system_prompt(system_prompt, preset)
+    text = chat_text(system, prompt, len(image_list), thinking)
     tokens = clip.tokenize(text, images=image_list) if image_list else clip.tokenize(text)
     if image_list and not bridge.has_images(tokens):
         raise bridge.Qwen35Unsupported("ComfyUI's tokenizer did not attach the images to the prompt: "
@@ -113,9 +138,14 @@ def enhance(clip, prompt: str, *, system_prompt: str = "", images=None, preset: 
         text_out = "<think>\n" + text_out  # the prompt opened the block; let split_thinking see it
     thinking_text, answer = split_thinking(text_out)
     parsed = parse_answer(answer)
-    width, height = size_for_ratio(parsed.wh_ratio, megapixels)
     ratio = parsed.wh_ratio if isinstance(parsed.wh_ratio, str) else (
         "" if parsed.wh_ratio is None else str(parsed.wh_ratio))
+    follow = "" if parsed.ratio_follow in (None, False) else str(parsed.ratio_follow)
+    followed = enhancer_images.followed_image(parsed.ratio_follow, len(image_list))
+    if followed is not None:  # keep that input image's shape, as the official pipeline does
+        width, height = size_for_ratio(enhancer_images.image_ratio(image_list[followed]), megapixels)
+    else:
+        width, height = size_for_ratio(parsed.wh_ratio, megapixels)
     rewritten, parse_ok = parsed.rewritten_prompt, bool(parsed.parse_ok)
     if not (rewritten or "").strip():
         # The token budget ended inside the thinking block (or the answer was empty): never hand an
@@ -130,4 +160,4 @@ def enhance(clip, prompt: str, *, system_prompt: str = "", images=None, preset: 
         rewritten, parse_ok = prompt.strip(), False
     elif not parse_ok:
         log.warning("Qwen3.5 prompt enhancer: the answer had no usable JSON; returning the raw answer")
-    return EnhancerResult(rewritten, thinking_text, ratio, int(width), int(height), parse_ok, text_out, stats)
+    return EnhancerResult(rewritten, thinking_text, ratio, follow, int(width), int(height), parse_ok, text_out, stats)

@@ -1,16 +1,21 @@
 """Write the example workflows (UI format, schema 0.4) and their API-format twins from one spec.
 
-    python scripts/make_workflows.py        # rewrites workflows/*.json and workflows/api/*.json
+    python scripts/make_workflows.py        # rewrites workflows/*.json (+ .png) and workflows/api/*.json
 
 Each graph is declared once as nodes with their widget values and links; the UI file gets
 positions, slots and ``properties.models`` (file names + download links), the API twin the same
 nodes in ``{id: {class_type, inputs}}`` form. API twins only keep the text part of a graph
-(loader -> enhancer/generate -> text preview): the image half needs Qwen-Image 2.1 models.
+(loader -> enhancer/generate -> text preview): the image half needs Qwen-Image 2.1 models. Each UI
+file ``<name>.json`` has its twin ``api/<name>_api.json`` and a picture ``<name>.png`` with the graph
+embedded (written when Pillow is installed). UI files carry a stable UUID ``id`` (the frontend's
+schema refuses ``null``) and a Note saying what to download.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,21 +24,35 @@ OUT = ROOT / "workflows"
 HF = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main"
 PE_T2I = "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"
 PE_I2I = "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors"
-MTP = "qwen3.5_9b_mtp_head.safetensors"
+MTP = "download (Qwen/Qwen3.5-9B)"  # the loader fetches only the mtp.* tensors, once
+MTP_FILE = "qwen3.5_9b_mtp_head.safetensors"  # what that download writes; API twins name the file
 DIT = "qwen_image_2.1_int8_convrot.safetensors"
 TE = "qwen3vl_8b_int8_convrot.safetensors"
 VAE = "qwen_image_2.1_vae_bf16.safetensors"
 MODELS = {
     PE_T2I: (f"{HF}/text_encoders/{PE_T2I}", "text_encoders"),
     PE_I2I: (f"{HF}/text_encoders/{PE_I2I}", "text_encoders"),
-    MTP: ("https://huggingface.co/Qwen/Qwen3.5-9B (mtp.* tensors, extracted with "
-          "scripts/extract_mtp_head.py)", "text_encoders"),
     DIT: (f"{HF}/diffusion_models/{DIT}", "diffusion_models"),
     TE: (f"{HF}/text_encoders/{TE}", "text_encoders"),
     VAE: (f"{HF}/vae/{VAE}", "vae"),
 }
 
-SYSTEM_HINT = ""  # the official enhancer prompt is not bundled: users paste it into system_prompt
+SYSTEM_HINT = "official"  # Qwen's prompt for the preset, fetched once (Qwen Research License, not bundled)
+NOTE_T2I = ("First run downloads what is missing, with progress: the enhancer file "
+            f"{PE_T2I} (about 10 GB, Comfy-Org/Qwen-Image-2.1) and the MTP head (about 0.5 GB, only the "
+            "mtp.* tensors of Qwen/Qwen3.5-9B) into models/text_encoders, and Qwen's official system prompt into "
+            "models/qwen_image_pe. For the image half put these in place (hf download Comfy-Org/Qwen-Image-2.1 "
+            f"<file> --local-dir ComfyUI/models): diffusion_models/{{DIT}}, text_encoders/{{TE}}, vae/{{VAE}}. "
+            "max_length 16256 is the official value: decoding speed does not depend on it.")
+NOTE_EDIT = ("Edit mode: connect up to 10 images (image1..image10) and refer to them as <image1>.. in the prompt. "
+             "First run downloads what is missing, with progress: "
+             f"{PE_I2I} (about 10 GB) and the MTP head (about 0.5 GB) into models/text_encoders, and Qwen's "
+             "official edit system prompt. Image half: diffusion_models/{DIT}, text_encoders/{TE}, vae/{VAE} "
+             "(hf download Comfy-Org/Qwen-Image-2.1 <file> --local-dir ComfyUI/models). max_length 24000 is "
+             "the official value: decoding speed does not depend on it.")
+NOTE_TEXTGEN = ("Core Load CLIP + TextGenerate with the length-aware patch in between: the cost per token follows the "
+                f"text written so far, not max_length. Needs {PE_T2I} in models/text_encoders (hf download "
+                f"Comfy-Org/Qwen-Image-2.1 text_encoders/{PE_T2I} --local-dir ComfyUI/models).")
 T2I_PROMPT = "A red fox sleeping under a paper lantern in a snowy Kyoto alley at dusk"
 EDIT_PROMPT = "Make it a rainy night and add neon reflections on the ground"
 
@@ -50,6 +69,7 @@ WIDGETS = {
                      "sampling_mode.seed", "sampling_mode.presence_penalty", "thinking", "use_default_template"],
     "PreviewAny": [],
     "LoadImage": ["image", "+upload"],
+    "Note": ["text"],
     "ImageScale": ["upscale_method", "width", "height", "crop"],
     "UNETLoader": ["unet_name", "weight_dtype"],
     "VAELoader": ["vae_name"],
@@ -64,15 +84,17 @@ WIDGETS = {
 # Socket inputs (name, type) and outputs per node type, in slot order.
 SOCKETS = {
     "Qwen35FastCLIPLoader": ([], [("CLIP", "CLIP"), ("status", "STRING")]),
-    "Qwen35FastPromptEnhancer": ([("clip", "CLIP"), ("images", "IMAGE")],
+    "Qwen35FastPromptEnhancer": ([("clip", "CLIP"), *[(f"image{k}", "IMAGE") for k in range(1, 11)]],
                                  [("rewritten_prompt", "STRING"), ("thinking", "STRING"), ("wh_ratio", "STRING"),
-                                  ("width", "INT"), ("height", "INT"), ("parse_ok", "BOOLEAN")]),
+                                  ("ratio_follow", "STRING"), ("width", "INT"), ("height", "INT"),
+                                  ("parse_ok", "BOOLEAN")]),
     "Qwen35FastLengthAwarePatch": ([("clip", "CLIP")], [("CLIP", "CLIP")]),
     "CLIPLoader": ([], [("CLIP", "CLIP")]),
     "TextGenerate": ([("clip", "CLIP"), ("image", "IMAGE"), ("video", "IMAGE"), ("audio", "AUDIO")],
                      [("generated_text", "STRING")]),
     "PreviewAny": ([("source", "*")], [("STRING", "STRING")]),
     "LoadImage": ([], [("IMAGE", "IMAGE"), ("MASK", "MASK")]),
+    "Note": ([], []),
     "ImageScale": ([("image", "IMAGE")], [("IMAGE", "IMAGE")]),
     "UNETLoader": ([], [("MODEL", "MODEL")]),
     "VAELoader": ([], [("VAE", "VAE")]),
@@ -117,7 +139,7 @@ def _widget_values(node):
     return values
 
 
-def to_ui(graph: Graph, models: list[str]) -> dict:
+def to_ui(graph: Graph, models: list[str], name: str) -> dict:
     links, nodes = [], []
     ids = sorted(graph.nodes)
     out_links = {nid: {} for nid in ids}
@@ -142,16 +164,20 @@ def to_ui(graph: Graph, models: list[str]) -> dict:
                                "link": link_by_target[(nid, name)]})
         outputs = [{"name": name, "type": typ, "slot_index": i, "links": out_links[nid].get(i, [])}
                    for i, (name, typ) in enumerate(socket_out)]
-        node = {"id": nid, "type": n["type"], "pos": list(n["pos"]), "size": [360, 160], "flags": {},
+        size = [420, 260] if n["type"] == "Note" else [360, 160]
+        node = {"id": nid, "type": n["type"], "pos": list(n["pos"]), "size": size, "flags": {},
                 "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
                 "properties": {"Node name for S&R": n["type"]}, "widgets_values": _widget_values(n)}
         if n["title"]:
             node["title"] = n["title"]
-        if n["type"].startswith("Qwen35Fast"):
+        if n["type"] == "Note":
+            node["properties"] = {}
+            node["color"], node["bgcolor"] = "#432", "#653"
+        elif n["type"].startswith("Qwen35Fast"):
             node["properties"]["cnr_id"] = "comfyui-qwen35-fast"
         else:
             node["properties"]["cnr_id"] = "comfy-core"
-        used = [m for m in models if m in _widget_values(n)]
+        used = [m for m in models if m in _widget_values(n)] if n["type"] != "Note" else []
         if used:
             node["properties"]["models"] = [{"name": m, "url": MODELS[m][0], "directory": MODELS[m][1]}
                                             for m in used]
@@ -159,7 +185,8 @@ def to_ui(graph: Graph, models: list[str]) -> dict:
     for link in links:  # fix target slots now that input lists exist
         target = next(x for x in nodes if x["id"] == link[3])
         link[4] = [i["name"] for i in target["inputs"]].index(link[6])
-    return {"id": None, "revision": 0, "last_node_id": max(ids), "last_link_id": len(links), "nodes": nodes,
+    workflow_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfyui-qwen35-fast/workflows/{name}"))
+    return {"id": workflow_id, "revision": 0, "last_node_id": max(ids), "last_link_id": len(links), "nodes": nodes,
             "links": [lk[:6] for lk in links], "groups": [], "config": {},
             "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
 
@@ -167,7 +194,7 @@ def to_ui(graph: Graph, models: list[str]) -> dict:
 def to_api(graph: Graph, keep: set[int] | None = None) -> dict:
     out = {}
     for nid in sorted(graph.nodes):
-        if keep is not None and nid not in keep:
+        if (keep is not None and nid not in keep) or graph.nodes[nid]["type"] == "Note":
             continue
         n = graph.nodes[nid]
         inputs = {}
@@ -207,8 +234,8 @@ def _image_half(g: Graph, pe: int, x: int, edit_image: int | None = None):
     g.add(25, "CLIPTextEncode", (x + 400, 400), title="Negative", text="")
     g.link(22, 0, 25, "clip")
     g.add(26, "EmptySD3LatentImage", (x + 400, 600), width=1328, height=1328, batch_size=1)
-    g.link(pe, 3, 26, "width")
-    g.link(pe, 4, 26, "height")
+    g.link(pe, 4, 26, "width")
+    g.link(pe, 5, 26, "height")
     g.add(27, "KSampler", (x + 800, 0), seed=42, steps=40, cfg=4.0, sampler_name="euler", scheduler="simple",
           denoise=1.0)
     g.link(21, 0, 27, "model")
@@ -234,6 +261,7 @@ def text_to_image() -> Graph:
     g.link(2, 1, 4, "source")
     g.add(5, "PreviewAny", (800, 400), title="Loader status")
     g.link(1, 1, 5, "source")
+    g.add(30, "Note", (0, 250), title="What to download", text=NOTE_T2I.format(DIT=DIT, TE=TE, VAE=VAE))
     _image_half(g, 2, 1200)
     return g
 
@@ -245,13 +273,14 @@ def edit() -> Graph:
     g.add(2, "Qwen35FastPromptEnhancer", (400, 0), prompt=EDIT_PROMPT, preset="edit", max_length=24000,
           **{**PE_COMMON, "presence_penalty": 0.0})
     g.link(1, 0, 2, "clip")
-    g.link(6, 0, 2, "images")
+    g.link(6, 0, 2, "image1")
     g.add(3, "PreviewAny", (800, 0), title="Rewritten prompt")
     g.link(2, 0, 3, "source")
     g.add(4, "PreviewAny", (800, 200), title="Thinking")
     g.link(2, 1, 4, "source")
-    g.add(5, "PreviewAny", (800, 400), title="Size (width)")
+    g.add(5, "PreviewAny", (800, 400), title="ratio_follow")
     g.link(2, 3, 5, "source")
+    g.add(30, "Note", (0, 650), title="What to download", text=NOTE_EDIT.format(DIT=DIT, TE=TE, VAE=VAE))
     _image_half(g, 2, 1200, edit_image=6)
     return g
 
@@ -261,7 +290,7 @@ def text_generate() -> Graph:
     g.add(1, "CLIPLoader", (0, 0), clip_name=PE_T2I, type="qwen_image", device="default")
     g.add(2, "Qwen35FastLengthAwarePatch", (400, 0), mtp="auto", attention="auto")
     g.link(1, 0, 2, "clip")
-    g.add(3, "TextGenerate", (800, 0), prompt="Describe a lighthouse in one sentence.", max_length=8,
+    g.add(3, "TextGenerate", (800, 0), prompt="Describe a lighthouse in one sentence.", max_length=24000,
           sampling_mode="on", **{"sampling_mode.temperature": 0.7, "sampling_mode.top_k": 64,
                                  "sampling_mode.top_p": 0.95, "sampling_mode.min_p": 0.05,
                                  "sampling_mode.repetition_penalty": 1.05, "sampling_mode.seed": 7,
@@ -270,6 +299,7 @@ def text_generate() -> Graph:
     g.link(2, 0, 3, "clip")
     g.add(4, "PreviewAny", (1200, 0), title="Generated text")
     g.link(3, 0, 4, "source")
+    g.add(30, "Note", (0, 250), title="What to download", text=NOTE_TEXTGEN)
     return g
 
 
@@ -283,23 +313,33 @@ API_IMAGE_SCALE = {"7": {"class_type": "ImageScale",
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
     specs = [
-        ("qwen_image_2.1_pe_text_to_image", "pe_text_to_image_api", text_to_image(), [PE_T2I, MTP, DIT, TE, VAE],
-         {1, 2, 3, 4, 5}, {2: {"max_length": 8}}),
-        ("qwen_image_2.1_pe_edit", "pe_edit_api", edit(), [PE_I2I, MTP, DIT, TE, VAE], {1, 2, 3, 4, 5, 6},
-         {2: {"max_length": 8, "images": ["7", 0]}}),
-        ("textgenerate_length_aware", "textgenerate_length_aware_api", text_generate(), [PE_T2I], None, {}),
+        ("pe_text_to_image", "pe_text_to_image_api", text_to_image(), [PE_T2I, DIT, TE, VAE],
+         {1, 2, 3, 4, 5}, {1: {"mtp_head": MTP_FILE}, 2: {"max_length": 8}}),
+        ("pe_edit", "pe_edit_api", edit(), [PE_I2I, DIT, TE, VAE], {1, 2, 3, 4, 5, 6},
+         {1: {"mtp_head": MTP_FILE}, 2: {"max_length": 8, "image1": ["7", 0]}}),
+        ("textgenerate_length_aware", "textgenerate_length_aware_api", text_generate(), [PE_T2I], None,
+         {3: {"max_length": 8}}),
     ]
     for ui_name, api_name, graph, models, keep, api_overrides in specs:
-        ui = to_ui(graph, models)
+        ui = to_ui(graph, models, ui_name)
         ui["extra"]["models"] = [{"name": m, "url": MODELS[m][0], "directory": MODELS[m][1]} for m in models]
         (OUT / f"{ui_name}.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n")
         api = to_api(graph, keep)
-        for nid, values in api_overrides.items():  # API twins stay short so servers can run them on a CPU
+        # API twins stay short so servers can run them on a CPU, and name the head file the download writes
+        for nid, values in api_overrides.items():
             api[str(nid)]["inputs"].update(values)
         for nid, node in API_IMAGE_SCALE.items():
             if any(v == [nid, 0] for n in api.values() for v in n["inputs"].values()):
                 api[nid] = json.loads(json.dumps(node))
         (OUT / "api" / f"{api_name}.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n")
+        try:
+            import PIL  # noqa: F401 - the PNG writer draws with Pillow
+        except ImportError:
+            print("Pillow is not installed: workflow PNGs not rewritten", file=sys.stderr)
+        else:
+            from workflow_png import write_png
+
+            write_png(OUT / f"{ui_name}.json")
 
 
 if __name__ == "__main__":

@@ -143,10 +143,10 @@ class _Handler(BaseHTTPRequestHandler):
             for k, v in {"Connection": "close", **headers}.items():
                 self.send_header(k, v)
             self.end_headers()
+            fake.served[(repo, path)] += cut  # counted before sending: the client may react at once
             self.wfile.write(payload[:cut])
             self.wfile.flush()
-            fake.served[(repo, path)] += cut
             self.close_connection = True
             return
-        self._send(code, headers, payload, body=True)
         fake.served[(repo, path)] += len(payload)
+        self._send(code, headers, payload, body=True)

@@ -160,7 +160,9 @@ class FakeCLIP:
         return FakeCLIP(patcher=self.patcher.clone(), csm=self.cond_stage_model, tokenizer=self.tokenizer)
 
     def tokenize(self, text, return_word_ids=False, **kw):
-        return self.tokenizer.tokenize_with_weights(text, return_word_ids, **kw)
+        out = self.tokenizer.tokenize_with_weights(text, return_word_ids, **kw)
+        self.last_tokens = next(iter(out.values()))[0]
+        return out
 
     def generate(self, tokens, do_sample=True, max_length=256, temperature=1.0, top_k=50, top_p=0.95, min_p=0.0,
                  repetition_penalty=1.0, seed=None, presence_penalty=0.0):
@@ -245,7 +247,9 @@ def test_schemas_are_valid_and_complete():
     assert pe["max_length"].max >= 32768 and pe["max_length"].min == 1
     assert pe["seed"].control_after_generate
     assert pe["system_prompt"].multiline and pe["prompt"].multiline
-    assert pe["images"].optional and pe["images"].io_type == "IMAGE"
+    images = [i for i in s["Qwen35PromptEnhancer"].inputs if i.io_type == "IMAGE"]
+    assert [i.id for i in images] == [f"image{k}" for k in range(1, 11)] and all(i.optional for i in images)
+    assert pe["system_prompt"].default == prompt_enhancer.OFFICIAL
     # every option a node offers is one the layer below accepts (not a restated list)
     for sch in (s["Qwen35PromptEnhancer"], s["Qwen35LengthAwarePatch"]):
         opts = {i.id: i for i in sch.inputs}
@@ -254,13 +258,16 @@ def test_schemas_are_valid_and_complete():
     assert {"1", "5"} <= set(pe["mtp"].options) and set(pe["attention"].options) >= set(ATTENTION_BACKENDS)
     assert all(o == "custom" or prompt_enhancer.preset_settings(o) for o in pe["preset"].options)
     assert pe["thinking"].default is True
-    assert [o.io_type for o in s["Qwen35PromptEnhancer"].outputs] == ["STRING", "STRING", "STRING", "INT", "INT",
-                                                                       "BOOLEAN"]
+    assert [o.display_name for o in s["Qwen35PromptEnhancer"].outputs] == [
+        "rewritten_prompt", "thinking", "wh_ratio", "ratio_follow", "width", "height", "parse_ok"]
+    assert [o.io_type for o in s["Qwen35PromptEnhancer"].outputs] == ["STRING", "STRING", "STRING", "STRING", "INT",
+                                                                       "INT", "BOOLEAN"]
     assert [o.io_type for o in s["Qwen35LengthAwarePatch"].outputs] == ["CLIP"]
     assert s["Qwen35LengthAwarePatch"].display_name == "Length-aware decode (Qwen3.5)"
     assert s["Qwen35PromptEnhancer"].display_name == "Qwen3.5 Prompt Enhancer (MTP)"
     execute_params = __import__("inspect").signature(Qwen35PromptEnhancer.execute).parameters
-    assert set(pe) <= set(execute_params)
+    takes_rest = any(p.kind is p.VAR_KEYWORD for p in execute_params.values())  # image1..image10
+    assert {k for k in pe if not k.startswith("image")} <= set(execute_params) and takes_rest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,10 +368,10 @@ def run_pe(clip, **kw):
 def test_enhancer_outputs_parsed_answer_and_size(scripted):
     eng = scripted(ANSWER)
     clip = FakeCLIP()
-    rewritten, thinking, ratio, width, height, ok = run_pe(clip)
+    rewritten, thinking, ratio, follow, width, height, ok = run_pe(clip)
     assert rewritten == "A red fox asleep under a lantern" and ok is True
     assert "The user wants a fox." in thinking and "rewrited" not in thinking
-    assert ratio == "16:9"
+    assert ratio == "16:9" and follow == ""
     assert width % 16 == 0 and height % 16 == 0
     assert abs(width / height - 16 / 9) < 0.05 and abs(width * height - 1024 * 1024) / (1024 * 1024) < 0.1
     text = clip.tokenizer.texts[-1]
@@ -390,7 +397,7 @@ def test_enhancer_presets_and_thinking_off(scripted):
 
 def test_enhancer_broken_json_falls_back_to_raw_answer(scripted):
     scripted("thoughts</think>\nJust a plain sentence about a fox.")
-    rewritten, _, _, width, height, ok = run_pe(FakeCLIP())
+    rewritten, _, _, _, width, height, ok = run_pe(FakeCLIP())
     assert ok is False and "plain sentence about a fox" in rewritten
     assert width > 0 and height > 0
 
@@ -399,7 +406,7 @@ def test_enhancer_budget_ends_while_thinking_falls_back_to_user_prompt(scripted,
     scripted("The user wants a fox. Let me think about the lantern, the snow and")  # no </think>
     exec_utils.NODE_ID = "7"
     with caplog.at_level("WARNING"):
-        rewritten, thinking, _, width, height, ok = run_pe(FakeCLIP(), prompt="  a fox in the snow ")
+        rewritten, thinking, _, _, width, height, ok = run_pe(FakeCLIP(), prompt="  a fox in the snow ")
     assert rewritten == "a fox in the snow" and ok is False
     assert "Let me think about the lantern" in thinking
     assert width > 0 and height > 0
@@ -411,9 +418,55 @@ def test_enhancer_edit_mode_passes_images_and_positions(scripted):
     eng = scripted('{"rewritten_prompt": "x", "wh_ratio": "1:1"}')
     clip = FakeCLIP()
     bridge.set_clip_info(clip, vision=True)
-    run_pe(clip, preset="edit", images=torch.zeros(2, 32, 32, 3))
+    run_pe(clip, preset="edit", image1=torch.zeros(2, 32, 32, 3))
     assert clip.tokenizer.texts[-1].count("<|image_pad|>") == 2
     assert eng.calls[-1]["position_ids"] is not None
+
+
+def test_enhancer_multi_image_order_and_ratio_follow(scripted):
+    """image1..image10 in input order (gaps allowed), any sizes; ratio_follow picks the shape kept."""
+    eng = scripted('ok</think>{"rewritten_prompt": "x", "wh_ratio": "1:1", "ratio_follow": "<image2>"}')
+    clip = FakeCLIP()
+    bridge.set_clip_info(clip, vision=True)
+    wide, tall = torch.full((1, 32, 64, 3), 0.25), torch.full((1, 96, 32, 3), 0.75)
+    out = run_pe(clip, preset="edit", prompt="put <image1> into <image2>", image1=wide, image3=tall)
+    assert clip.tokenizer.texts[-1].count("<|image_pad|>") == 2
+    sent = [float(t[0]["data"].reshape(-1)[0]) for t in clip.last_tokens if isinstance(t[0], dict)]
+    assert sent == [0.25, 0.75]  # image1 first, then the next connected input
+    _, _, ratio, follow, width, height, _ = out
+    assert (ratio, follow) == ("1:1", "<image2>")
+    assert abs(width / height - 32 / 96) < 0.05  # the second image's shape, not wh_ratio
+    with pytest.raises(ValueError, match="at most 10 images"):
+        run_pe(clip, preset="edit", image1=torch.zeros(11, 16, 16, 3))
+    with pytest.raises(ValueError, match="<image3>"):
+        run_pe(clip, preset="edit", prompt="use <image3>", image1=wide)
+    assert len(eng.calls) == 1
+
+
+def test_enhancer_system_prompt_official_or_own(scripted, tmp_path, monkeypatch):
+    from qwen35_fast.patches import model_fetch
+
+    scripted('{"rewritten_prompt": "x", "wh_ratio": "1:1"}')
+    monkeypatch.setattr(prompt_enhancer, "_models_dir", lambda: str(tmp_path))
+    for preset in ("text-to-image", "edit"):  # what an earlier download left in the models folder
+        path = model_fetch.prompt_path(preset, str(tmp_path))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(f"OFFICIAL {preset} PROMPT\n", encoding="utf-8")
+    clip = FakeCLIP()
+    run_pe(clip, system_prompt="official")
+    assert clip.tokenizer.texts[-1].startswith("<|im_start|>system\nOFFICIAL text-to-image PROMPT<|im_end|>")
+    run_pe(clip, system_prompt="official", preset="edit")
+    assert clip.tokenizer.texts[-1].startswith("<|im_start|>system\nOFFICIAL edit PROMPT<|im_end|>")
+    run_pe(clip, system_prompt="My own rules.")
+    assert clip.tokenizer.texts[-1].startswith("<|im_start|>system\nMy own rules.<|im_end|>")
+    for preset in ("text-to-image", "edit"):
+        with pytest.raises(ValueError, match="system prompt is empty.*'official'"):
+            run_pe(clip, system_prompt="  ", preset=preset)
+    run_pe(clip, system_prompt="", preset="custom", temperature=1.0, top_k=20, top_p=0.95, min_p=0.0,
+           presence_penalty=0.0)
+    assert clip.tokenizer.texts[-1].startswith("<|im_start|>user\n")
+    with pytest.raises(ValueError, match="'official' needs preset"):
+        run_pe(clip, system_prompt="official", preset="custom")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -438,10 +491,10 @@ def test_enhancer_refuses_images_without_vision_weights(scripted, tmp_path):
     save_file({mtp_graft.QWEN35_MARKER: torch.zeros(2)}, str(path))
     clip = FakeCLIP(paths=[str(path)])  # a core-loaded CLIP: the file header tells
     with pytest.raises(ValueError, match="no vision weights"):
-        run_pe(clip, images=torch.zeros(1, 32, 32, 3))
+        run_pe(clip, image1=torch.zeros(1, 32, 32, 3))
     save_file({mtp_graft.QWEN35_MARKER: torch.zeros(2), "model.visual.blocks.0.norm1.weight": torch.zeros(2)},
               str(path))
-    run_pe(clip, images=torch.zeros(1, 32, 32, 3))
+    run_pe(clip, image1=torch.zeros(1, 32, 32, 3))
     assert len(eng.calls) == 1
 
 
@@ -516,3 +569,35 @@ def test_loader_rejects_head_without_mtp_or_wrong_shape(te_folder):
     (tmp / "broken.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="Cannot read"):
         Qwen35CLIPLoader.execute("broken.safetensors", "none")
+
+
+def test_loader_offers_missing_enhancer_files_and_downloads_them(te_folder, monkeypatch, tmp_path):
+    """A Comfy-Org enhancer file not on disk is listed by name and fetched with a progress bar when run."""
+    from huggingface_hub import constants
+    from qwen35_fast.patches import model_fetch
+    from safetensors.torch import save
+
+    from tests.hub_server import FakeHub
+
+    name = "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"
+    options = {i.id: i for i in Qwen35CLIPLoader.define_schema().inputs}
+    assert name in options["clip_name"].options and "qwen.safetensors" in options["clip_name"].options
+    assert options["mtp_head"].default == "download (Qwen/Qwen3.5-9B)"
+    assert all(model_fetch.download_repo(o) or o == "none" or o in options["clip_name"].options
+               for o in options["mtp_head"].options)
+    data = save({mtp_graft.QWEN35_MARKER: torch.zeros(2), "pad": torch.zeros(600_000)})  # a few MiB
+    hub = FakeHub().start()
+    try:
+        hub.add_repo(model_fetch.PE_REPO, {f"text_encoders/{name}": data})
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        comfy.utils.UPDATES.clear()
+        clip, status = Qwen35CLIPLoader.execute(name, "none").args
+    finally:
+        hub.stop()
+    folder, _ = te_folder
+    assert (folder / name).read_bytes() == data and "MTP is off" in status
+    assert comfy.utils.UPDATES and comfy.utils.UPDATES[-1][0] == comfy.utils.UPDATES[-1][1] >= 2  # MiB bar, full
+    # the head download choice reads the size from the main file and refuses what it cannot place
+    with pytest.raises(model_fetch.FetchError, match="cannot tell the Qwen3.5 size"):
+        Qwen35CLIPLoader.execute("qwen.safetensors", "download (Qwen/Qwen3.5-9B)")

@@ -4,12 +4,17 @@ UI files: a compact check of the 0.4 format (nodes, links, widgets_values), link
 types, widget counts from the pack's own schemas (core nodes from the table below, which the
 real-ComfyUI test cross-checks against /object_info), and model file names with download links.
 API twins: node types, input names, links and widget values within the schemas' options/ranges.
+As shipped: ``<name>.json`` pairs with ``api/<name>_api.json`` and ``<name>.png`` (the workflow in the
+PNG's ``workflow`` text chunk, as ComfyUI writes it); official system prompt and max_length; a Note
+saying what to download. (The frontend's own schema: tests/test_workflow_schema.py.)
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -45,6 +50,7 @@ CORE = {
                   "latent_image": "LATENT"}, ["LATENT"]),
     "VAEDecode": ([], {"samples": "LATENT", "vae": "VAE"}, ["IMAGE"]),
     "SaveImage": (["filename_prefix"], {"images": "IMAGE"}, []),
+    "Note": (["text"], {}, []),  # frontend-only: never in an API twin
 }
 TEXTGEN_OFF_WIDGETS = 5  # prompt, max_length, sampling_mode, thinking, use_default_template
 
@@ -163,8 +169,9 @@ def test_ui_workflow_names_models_with_links(path):
         assert m["url"].startswith("https://huggingface.co/"), name
         if "_pe_" in name:
             assert m["url"].endswith("/text_encoders/" + name) and m["directory"] == "text_encoders"
-    if any(n["type"] == "Qwen35FastCLIPLoader" for n in wf["nodes"]):
-        assert "Qwen/Qwen3.5-9B" in models["qwen3.5_9b_mtp_head.safetensors"]["url"]
+    for n in wf["nodes"]:
+        if n["type"] == "Qwen35FastCLIPLoader":  # the head is fetched on first use, not a file to find
+            assert n["widgets_values"][1] == "download (Qwen/Qwen3.5-9B)"
 
 
 @pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.name)
@@ -189,10 +196,8 @@ def test_api_twin_matches_schemas(path):
 
 
 def test_each_ui_workflow_has_an_api_twin_with_the_same_text_nodes():
-    pairs = {"qwen_image_2.1_pe_text_to_image.json": "pe_text_to_image_api.json",
-             "qwen_image_2.1_pe_edit.json": "pe_edit_api.json",
-             "textgenerate_length_aware.json": "textgenerate_length_aware_api.json"}
-    assert sorted(pairs) == [p.name for p in UI_FILES] and sorted(pairs.values()) == [p.name for p in API_FILES]
+    pairs = {p.name: p.stem + "_api.json" for p in UI_FILES}  # names pair: <name>.json <-> api/<name>_api.json
+    assert len(pairs) == 3 and sorted(pairs.values()) == [p.name for p in API_FILES]
     for ui_name, api_name in pairs.items():
         ui = {str(n["id"]): n for n in json.loads((ROOT / "workflows" / ui_name).read_text())["nodes"]}
         api = json.loads((ROOT / "workflows" / "api" / api_name).read_text())
@@ -204,7 +209,8 @@ def test_each_ui_workflow_has_an_api_twin_with_the_same_text_nodes():
             widgets = [w for w in spec(node["class_type"])[0]]
             values = dict(zip(widgets, ui[nid]["widgets_values"]))
             for key, value in node["inputs"].items():
-                if not isinstance(value, list) and key != "max_length":  # API twins are shortened
+                # API twins are shortened and name the head file that 'download (...)' writes
+                if not isinstance(value, list) and key not in ("max_length", "mtp_head"):
                     assert values[key.split(".")[-1]] == value, f"{api_name} {nid}.{key}"
 
 
@@ -217,3 +223,46 @@ def test_schema_check_catches_broken_workflows():
     del bad["nodes"][0]["widgets_values"]
     errs = check_ui_format(bad)
     assert len(errs) == 3, errs
+
+
+def _png_text_chunks(data: bytes) -> dict[str, str]:
+    """tEXt / zTXt / iTXt chunks of a PNG (stdlib only)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, out = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        pos += 12 + length
+        if kind == b"tEXt":
+            key, _, text = body.partition(b"\0")
+            out[key.decode("latin-1")] = text.decode("latin-1")
+        elif kind == b"zTXt":
+            key, _, rest = body.partition(b"\0")
+            out[key.decode("latin-1")] = zlib.decompress(rest[1:]).decode("latin-1")
+        elif kind == b"iTXt":
+            key, _, rest = body.partition(b"\0")
+            compressed, rest = rest[0], rest[2:]
+            _, _, rest = rest.partition(b"\0")
+            _, _, text = rest.partition(b"\0")
+            out[key.decode("latin-1")] = (zlib.decompress(text) if compressed else text).decode("utf-8")
+    return out
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.name)
+def test_workflow_runs_as_shipped(path):
+    wf = json.loads(path.read_text())
+    assert wf.get("id") is not None or "id" not in wf  # the frontend refuses "id": null
+    nodes = wf["nodes"]
+    notes = [n for n in nodes if n["type"] == "Note"]
+    assert len(notes) == 1 and "download" in notes[0]["widgets_values"][0].lower()
+    for n in nodes:
+        if n["type"] == "Qwen35FastPromptEnhancer":
+            values = dict(zip(spec(n["type"])[0], n["widgets_values"]))
+            assert values["system_prompt"] == "official"
+            assert values["max_length"] == {"text-to-image": 16256, "edit": 24000}[values["preset"]]
+        if n["type"] == "TextGenerate":
+            assert n["widgets_values"][1] >= 16256  # speed does not depend on it: the point of the pack
+    png = path.with_suffix(".png")
+    assert png.is_file(), f"{png.name} missing: run scripts/make_workflows.py"
+    embedded = json.loads(_png_text_chunks(png.read_bytes())["workflow"])
+    assert embedded == wf, f"{png.name} embeds another version of {path.name}: run scripts/make_workflows.py"
