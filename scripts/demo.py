@@ -5,8 +5,8 @@ copies a full-attention layer so that drafts are sometimes accepted), loads it w
 standalone loader and times greedy decoding at two very different ``max_length`` values, MTP off and
 on, with the length-aware attention ("torch") and the capacity-bound one ComfyUI uses today
 ("masked"). Each configuration is warmed up, then repeated round robin; the best run counts (other
-processes only add time). Threads are pinned so
-a busy 2-core machine does not flip the result. Prints one verdict line per claim:
+processes only add time). Threads are pinned so a busy 2-core machine does not flip the result.
+Prints one verdict line per claim:
 
 * flat in max_length: time per token at the large max_length / at the small one, "yes" within 15 %;
 * MTP exact: greedy tokens identical with MTP off and on, at both max_lengths, with both attentions.
