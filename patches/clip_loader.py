@@ -1,8 +1,10 @@
-"""Load a Qwen3.5 text encoder as a core ComfyUI CLIP, optionally grafting an MTP head.
+"""Load a Qwen3.5 text encoder as a core ComfyUI CLIP, with at most one MTP head.
 
 The CLIP comes from ``comfy.sd.load_clip`` (so ComfyUI's memory management, quantized ops and
-"Unload models" keep working); MTP tensors come from the main file when it has them, else from the
-optional second file.
+"Unload models" keep working). Newer ComfyUI builds its own MTP head (``Qwen35.mtp``) when the file
+has ``mtp.*`` tensors: the engine then drafts with that module, and a chosen head file is loaded
+into it instead of adding a second head. Otherwise the head (from the main file, else the optional
+second file) is built by the engine and grafted.
 """
 
 from __future__ import annotations
@@ -58,18 +60,29 @@ def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str
     bridge.find_qwen35(clip)  # the loaded object must be what the engine binds to
     vision = any(k.startswith("model.visual.") for k in keys)
 
-    tensors, source = {}, None
+    core_head = mtp_graft.core_mtp_head(clip)
+    has_head, n, source, how = False, 0, None, ""
     if mtp_path is not None:
-        tensors, source = mtp_graft.read_mtp_tensors(mtp_path), os.path.basename(mtp_path)
+        source = os.path.basename(mtp_path)
+        tensors = mtp_graft.read_mtp_tensors(mtp_path)
+        if core_head is not None:
+            n, how = mtp_graft.replace_core_head(clip, tensors, source=source), "loaded into ComfyUI's own head"
+        else:
+            n, how = mtp_graft.graft_mtp(clip, tensors, source=source), "grafted"
+        has_head = True
+    elif core_head is not None:  # ComfyUI built the head from the main file: use it as is
+        source, how, has_head = name, "ComfyUI's own head", True
+        n = sum(p.numel() for p in core_head.parameters())
     elif main_has_mtp:
-        tensors, source = mtp_graft.read_mtp_tensors(clip_path), name
-    if tensors:
-        n = mtp_graft.graft_mtp(clip, tensors, source=source)
-        status = f"{name}: Qwen3.5 loaded, MTP head from {source} ({n / 1e6:.0f} M parameters)"
+        source = name
+        n, how = mtp_graft.graft_mtp(clip, mtp_graft.read_mtp_tensors(clip_path), source=source), "grafted"
+        has_head = True
+    if has_head:
+        status = f"{name}: Qwen3.5 loaded, MTP head from {source} ({how}, {n / 1e6:.0f} M parameters)"
     else:
         status = (f"{name}: Qwen3.5 loaded without an MTP head: MTP is off. Put the mtp.* tensors of "
                   "Qwen/Qwen3.5-9B in models/text_encoders and pick them as mtp_head to speed up decoding.")
         log.warning("%s", status)
-    bridge.set_clip_info(clip, vision=vision, mtp=bool(tensors), source=name)
+    bridge.set_clip_info(clip, vision=vision, mtp=has_head, source=name)
     log.info("%s", status)
-    return LoadResult(clip, status, bool(tensors))
+    return LoadResult(clip, status, has_head)

@@ -1,9 +1,11 @@
-"""Graft an MTP head (``mtp.*`` tensors) onto the Qwen3.5 model of a freshly loaded ComfyUI CLIP.
+"""The MTP head (``mtp.*`` tensors) of a freshly loaded ComfyUI Qwen3.5 CLIP: never two of them.
 
-ComfyUI's loader drops unknown ``mtp.*`` keys, and the Comfy-Org prompt-enhancer files carry none,
-so the pack reads them itself (only the ``mtp.*`` entries, through safetensors' ``safe_open``),
-builds the head with the engine and attaches it as ``mtp`` of the decoder module tree, where the
-engine's binding looks for it. The first file is never rewritten.
+ComfyUI 0.29.0 drops ``mtp.*`` keys, and the Comfy-Org prompt-enhancer files carry none, so the pack
+reads them itself (only the ``mtp.*`` entries, through safetensors' ``safe_open``), builds the head
+with the engine and attaches it as ``mtp`` of the decoder module tree, where the engine's binding
+looks for it. Newer ComfyUI builds its own head (``Qwen35.mtp``, with ComfyUI's ops, used by core's
+MTP loop): the binding finds it there, and a chosen head file is loaded into that module
+(``replace_core_head``) rather than grafted beside it. The files are never rewritten.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def is_qwen35_file(keys: Iterable[str]) -> bool:
 
 
 def read_mtp_tensors(path: str, device="cpu") -> dict:
-    """Only the ``mtp.*`` tensors of ``path`` (``model.mtp.`` folded to ``mtp.``); {} when none."""
+    """Only the ``mtp.*`` tensors of ``path`` (``model.mtp.`` folded to ``mtp.``); {} when none.
+    Quantized layers (ComfyUI's per-layer ``.comfy_quant`` marker) come back dequantized."""
     from safetensors import safe_open
 
     out = {}
@@ -54,6 +57,47 @@ def read_mtp_tensors(path: str, device="cpu") -> dict:
                         break
     except Exception as exc:  # noqa: BLE001
         raise MTPHeadError(f"Cannot read the MTP head from {path!r} ({exc}).") from exc
+    return dequantized(out, source=path)
+
+
+def dequantized(tensors: dict, *, source: str = "", dtype=None) -> dict:
+    """``tensors`` with every ComfyUI-quantized layer (``<layer>.comfy_quant`` JSON, ``<layer>.weight``,
+    ``<layer>.weight_scale``) replaced by its dense ``<layer>.weight`` (bf16 unless ``dtype``), the way
+    ComfyUI's own ops dequantize it (int8_tensorwise with or without ConvRot, fp8)."""
+    import json
+
+    import torch
+
+    markers = [k for k in tensors if k.endswith(".comfy_quant")]
+    if not markers:
+        return tensors
+    out = dict(tensors)
+    dtype = dtype or torch.bfloat16
+    for key in markers:
+        layer = key[: -len("comfy_quant")]
+        conf = json.loads(bytes(out.pop(key).tolist()).decode("utf-8"))
+        fmt = conf.get("format")
+        weight, scale = out.pop(layer + "weight", None), out.pop(layer + "weight_scale", None)
+        if weight is None or scale is None:
+            raise MTPHeadError(f"{source}: quantized layer {layer[:-1]} lacks its weight or weight_scale.")
+        params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+        convrot = bool(conf.get("convrot", params.get("convrot", False)))
+        if fmt == "int8_tensorwise" and convrot:
+            try:
+                from comfy.quant_ops import QuantizedTensor, get_layout_class
+            except ImportError as exc:
+                raise MTPHeadError(f"{source}: {layer}weight is int8 ConvRot, which needs ComfyUI's "
+                                   "comfy-kitchen to read; update ComfyUI.") from exc
+            group = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
+            layout = "TensorWiseINT8Layout"
+            p = get_layout_class(layout).Params(scale=scale.float(), orig_dtype=dtype, orig_shape=tuple(weight.shape),
+                                                convrot=True, convrot_groupsize=group)
+            out[layer + "weight"] = QuantizedTensor(weight, layout, p).dequantize().to(dtype)
+        elif fmt in ("int8_tensorwise", "float8_e4m3fn", "float8_e5m2"):
+            out[layer + "weight"] = (weight.float() * scale.float()).to(dtype)
+        else:
+            raise MTPHeadError(f"{source}: MTP layer {layer[:-1]} is stored as {fmt!r}, which this pack cannot "
+                               "read; use a bf16 MTP head file.")
     return out
 
 
@@ -94,4 +138,44 @@ def graft_mtp(clip, tensors: dict, *, source: str = "") -> int:
     target.model.mtp = head
     n = sum(p.numel() for p in head.parameters())
     log.info("Qwen3.5 MTP head grafted from %s (%.1f M parameters)", source or "memory", n / 1e6)
+    return n
+
+
+def core_mtp_head(clip):
+    """ComfyUI's own MTP head (``Qwen35.mtp``, built by newer core ``load_clip``), or None."""
+    return getattr(bridge.find_qwen35(clip).transformer, "mtp", None)
+
+
+_QUANT_AUX = ("comfy_quant", "weight_scale", "weight_scale_2", "input_scale")
+
+
+def replace_core_head(clip, tensors: dict, *, source: str = "") -> int:
+    """Load ``tensors`` (``mtp.*``) into ComfyUI's own MTP head of ``clip``; return its parameter count.
+
+    Every tensor of the head must be in ``tensors`` with the same shape (MTPHeadError naming the first
+    that is missing or differs, and any extra one), so core's MTP loop and the engine both run the
+    chosen head and no second head exists.
+    """
+    head = core_mtp_head(clip)
+    if head is None:
+        raise MTPHeadError("This CLIP has no ComfyUI MTP head to replace.")
+    new = {k[len("mtp."):]: v for k, v in tensors.items() if k.startswith("mtp.")}
+    have = {k: tuple(v.shape) for k, v in head.state_dict().items() if not k.endswith(_QUANT_AUX)}
+    bad = [f"mtp.{k} missing" for k in have if k not in new]
+    bad += [f"mtp.{k} has shape {tuple(new[k].shape)}, the model needs {shape}" for k, shape in have.items()
+            if k in new and tuple(new[k].shape) != shape]
+    bad += [f"mtp.{k} is not part of this model's head" for k in new if k not in have and not k.endswith(_QUANT_AUX)]
+    if bad:
+        raise MTPHeadError(
+            f"The MTP head in {source or 'the file'} does not fit this Qwen3.5 model: {bad[0]}"
+            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") + ". Use the mtp.* tensors of the same "
+            "Qwen3.5 size (for the 9B prompt enhancer: those of Qwen/Qwen3.5-9B).")
+    missing, unexpected = head.load_state_dict(new, strict=False)
+    missing = [k for k in missing if not k.endswith(_QUANT_AUX)]
+    if missing or unexpected:
+        raise MTPHeadError(f"The MTP head in {source or 'the file'} did not load: missing {missing}, "
+                           f"unexpected {unexpected}.")
+    n = sum(p.numel() for p in head.parameters())
+    log.info("Qwen3.5 MTP head from %s loaded into ComfyUI's own head (%.1f M parameters)", source or "memory",
+             n / 1e6)
     return n

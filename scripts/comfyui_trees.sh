@@ -22,7 +22,7 @@ kitchen_v5=0.2.39
 mkdir -p "$cache"
 [ -f "$tarball" ] || { echo "missing $tarball (ComfyUI 0.29.0 tree; see ../shared/COMFYUI-TESTING.md)" >&2; exit 2; }
 
-hash_of() { sha256sum "$@" | sha256sum | cut -c1-16; }
+hash_of() { sha256sum "$@" | cut -d' ' -f1 | sha256sum | cut -c1-16; }  # contents only, not paths
 py_tag="$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 
 exec 9>"$cache/lock"

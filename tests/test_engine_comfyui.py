@@ -25,13 +25,14 @@ COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.comfyui,
               pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI checkout> to run")]
 
-COMFY = dict(weight_cast=comfy_weight_cast)  # how the ComfyUI layer binds: tied logits cast by comfy.ops
+BIND = dict(weight_cast=comfy_weight_cast)  # how the ComfyUI layer binds: tied logits cast by comfy.ops
 
 
 @pytest.fixture(scope="module")
 def comfy():
     loaded = sys.modules.get("comfy")
-    if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(str(Path(COMFY).resolve())):
+    where = [str(Path(x).resolve()) for x in getattr(loaded, "__path__", None) or [getattr(loaded, "__file__", "")]]
+    if loaded is not None and not any(w.startswith(str(Path(COMFY).resolve())) for w in where):
         pytest.skip("another 'comfy' package (the test stub) is already imported: run this file on its own")
     sys.path.insert(0, COMFY)
     try:
@@ -63,6 +64,7 @@ def _comfy_model(comfy, sd, d, ops_name="manual_cast"):
             self.model = qwen35.Qwen35Transformer(cfg, device="cpu", dtype=torch.float32,
                                                   ops=getattr(ops, ops_name))
             self.dtype = torch.float32
+            self.mtp = None  # newer core's own MTP head slot (built by load_clip from mtp.* tensors)
 
     model = Tiny()
     text = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
@@ -82,24 +84,24 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     with torch.no_grad():
         core = model.generate(emb.clone(), do_sample=False, max_length=20, stop_tokens=[],
                               execution_dtype=torch.float32)
-    ours = generate(model, emb, **COMFY, do_sample=False, max_length=20, mtp="off", stop_tokens=[],
+    ours = generate(model, emb, **BIND, do_sample=False, max_length=20, mtp="off", stop_tokens=[],
                     execution_dtype=torch.float32)
     assert ours.tokens == core
     sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
     model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, b.config)
-    spec = generate(model, emb, **COMFY, do_sample=False, max_length=20, mtp=3, stop_tokens=[],
+    spec = generate(model, emb, **BIND, do_sample=False, max_length=20, mtp=3, stop_tokens=[],
                     execution_dtype=torch.float32)
     assert spec.tokens == core and spec.stats.drafted > 0
     kw = dict(do_sample=True, max_length=20, stop_tokens=[], execution_dtype=torch.float32, seed=5, top_k=0,
               top_p=0.9, temperature=1.0, presence_penalty=0.5)
     with torch.no_grad():
         core_s = model.generate(emb.clone(), **kw)
-    assert generate(model, emb, **COMFY, mtp="off", **kw).tokens == core_s
+    assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_s
     # top-k on (the PE settings): ComfyUI draws over the top-k list in topk order; so does the engine
     kw.update(top_k=20, top_p=0.95, repetition_penalty=1.05, seed=11)
     with torch.no_grad():
         core_k = model.generate(emb.clone(), **kw)
-    assert generate(model, emb, **COMFY, mtp="off", **kw).tokens == core_k
+    assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
 
 
 def test_fused_path_on_comfyui_modules(comfy, rng):
@@ -124,8 +126,8 @@ def test_fused_path_on_comfyui_modules(comfy, rng):
     for mtp in ("off", 3):
         kw = dict(do_sample=False, max_length=12, mtp=mtp, stop_tokens=[], execution_dtype=torch.float32,
                   attention="torch")
-        fused = generate(model, emb, **COMFY, fused=True, **kw)
-        assert fused.tokens == generate(model, emb, **COMFY, fused=False, **kw).tokens, mtp
+        fused = generate(model, emb, **BIND, fused=True, **kw)
+        assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens, mtp
     cast = _comfy_model(comfy, sd, d)
     plan, why = FusedPlan.build(bind(cast), "cpu", torch.float32)
     assert plan is None and "casts or patches" in why
