@@ -20,9 +20,12 @@ import torch.nn.functional as F
 
 from .config import Qwen35Config
 from .errors import Qwen35Error
+from .plain_weights import PlainLinear, StandaloneWeights, linear_rows
 
 #: ``weight_cast(module, h)`` -> context manager yielding the cast weight, or None (see ``bind``).
 WeightCast = Callable[[Any, torch.Tensor], AbstractContextManager]
+#: Most rows the plain output projection serves (decode, draft and verify rows; the GEMV's limit).
+MAX_PLAIN_ROWS = 16
 
 _LINEAR_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm",
                  "out_proj")
@@ -40,18 +43,22 @@ class Qwen35Binding:
 
     Attributes: ``transformer`` (the decoder: ``embed_tokens``, ``layers``, ``norm``, optional
     ``lm_head``), ``root`` (what was passed to ``bind``), ``config`` (``Qwen35Config``), ``layers``
-    (the decoder layers), ``is_comfy`` (modules come from ComfyUI's ops). ``mtp_hidden`` selects
+    (the decoder layers). ``mtp_hidden`` selects
     the hidden state fed to the MTP head: "normed" (after the model's final norm; vLLM/SGLang
-    convention, default) or "prenorm". ``weight_cast``: see ``bind``.
+    convention, default) or "prenorm". ``weight_cast`` and ``weights``: see ``bind``.
+    ``plain_output``: the output projection as a ``PlainLinear`` for decode rows, set by the runner
+    stack for one generation when its fused plan resolved it (None: the module is called).
     """
 
-    def __init__(self, transformer: Any, root: Any, config: Qwen35Config, weight_cast: WeightCast | None = None):
+    def __init__(self, transformer: Any, root: Any, config: Qwen35Config, weight_cast: WeightCast | None = None,
+                 weights=None):
         self.transformer = transformer
         self.weight_cast = weight_cast
+        self.weights = weights if weights is not None else StandaloneWeights()
+        self.plain_output: PlainLinear | None = None
         self.root = root
         self.config = config
         self.layers = list(transformer.layers)
-        self.is_comfy = hasattr(transformer.embed_tokens, "comfy_cast_weights")
         self.mtp_hidden = "normed"
         self._holding = False
         self._held: tuple | None = None  # (key, output weight cast for the execution dtype)
@@ -88,8 +95,18 @@ class Qwen35Binding:
         out = self.transformer.embed_tokens(ids.to(device))
         return out.to(device=device, dtype=dtype)
 
+    @property
+    def output_module(self):
+        """The output projection: ``lm_head``, or the tied ``embed_tokens``."""
+        head = getattr(self.transformer, "lm_head", None)
+        return head if head is not None else self.transformer.embed_tokens
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]``."""
+        plain = self.plain_output
+        if plain is not None and h.shape[0] * h.shape[1] <= MAX_PLAIN_ROWS and h.device == plain.weight.device \
+                and (plain.quantized or h.dtype == plain.weight.dtype):
+            return linear_rows(h, plain).float()
         head = getattr(self.transformer, "lm_head", None)
         held = self._held_weight(head if head is not None else self.transformer.embed_tokens, h)
         if held is not None:
@@ -172,20 +189,25 @@ def _config_of(transformer: Any) -> Qwen35Config:
     return Qwen35Config.from_state_dict(shapes)
 
 
-def bind(module: Any, *, weight_cast: WeightCast | None = None) -> Qwen35Binding:
+def bind(module: Any, *, weight_cast: WeightCast | None = None, weights=None) -> Qwen35Binding:
     """Bind a Qwen3.5 tree: ComfyUI's ``Qwen35`` (BaseGenerate) instance, its ``.model``
     (``Qwen35Transformer``), the standalone loader's model, or an existing binding (returned as is;
-    a ``weight_cast`` given then is set on it).
+    a ``weight_cast`` / ``weights`` given then is set on it).
 
     ``weight_cast(module, h)``: a context manager yielding ``module``'s weight cast for ``h`` (its
     dtype and device) when the application casts that module's weights per call, else None; the
     weight is used inside the block. Without it weights are read as they are (``.to(h)``).
+    ``weights``: how the decode kernels read module weights in place (``linear``, ``tensor_reason``,
+    ``module_call_reason``, as ``plain_weights.StandaloneWeights``, the default); the layer that
+    loaded the model in its own formats passes its own (ComfyUI's: ``patches.comfy_weights.Resolver``).
 
     Raises Qwen35Error (naming the missing part) when the tree is not Qwen3.5.
     """
     if isinstance(module, Qwen35Binding):
         if weight_cast is not None:
             module.weight_cast = weight_cast
+        if weights is not None:
+            module.weights = weights
         return module
     if _is_decoder(module):
         transformer = module
@@ -203,7 +225,7 @@ def bind(module: Any, *, weight_cast: WeightCast | None = None) -> Qwen35Binding
     if kinds != config.layer_types:
         raise Qwen35Error("the layers' kinds (linear_attn / self_attn) disagree with config.layer_types")
     _check_layers(layers, config)
-    binding = Qwen35Binding(transformer, module, config, weight_cast)
+    binding = Qwen35Binding(transformer, module, config, weight_cast, weights)
     if binding.mtp is not None:
         binding.config = config.replace(mtp_num_hidden_layers=1)
     return binding

@@ -111,7 +111,7 @@ class Runner:
                                       cfg.num_key_value_heads)
         lengths = kv.write(k, v)
         o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=self.attention)
-        return attn.o_proj(self.fused.gate(o, gate))
+        return self.fused.lin(attn.o_proj, self.fused.gate(o, gate))
 
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Stage S rows of the MTP head in ``cache.mtp``: hidden, emb ``[B,S,H]`` -> normed ``[B,S,H]``.
@@ -125,7 +125,7 @@ class Runner:
             plan = self.fused
             e, _ = plan.norm("mtp.pre_fc_norm_embedding", emb)
             h, _ = plan.norm("mtp.pre_fc_norm_hidden", hidden)
-            x = head.fc(torch.cat([e, h], dim=-1))
+            x = plan.lin(head.fc, torch.cat([e, h], dim=-1))
             layer = head.layers[0]
             xn, _ = plan.norm("mtp.layers.0.input_layernorm", x)
             mixed = self._attention_fused("mtp.layers.0.self_attn", layer.self_attn, xn, self.cache.mtp, cos, sin)

@@ -1,15 +1,17 @@
 """Fused decode/verify rows: the per-layer small ops of a Qwen3.5 step as a few Triton launches.
 
 For S <= 8 rows (decode, MTP draft and verify) a layer runs as: residual add + RMSNorm (one
-kernel), the layer's own projections (its Linear modules, so quantized or patched Linears keep
-working), one fused kernel for the rest of the mixer (DeltaNet: conv, norms, gates, recurrence
+kernel), the layer's projections (read in place as ``PlainLinear`` records where the binding's
+weight hook resolves them: bf16 through cuBLAS, int8 through the weight-only GEMV, projections
+sharing an input in one launch; else the Linear module's own call), one fused kernel for the
+rest of the mixer (DeltaNet: conv, norms, gates, recurrence
 and gated norm; attention: q/k RMSNorm + RoPE, the length-aware decode kernel, the sigmoid gate),
 residual add + RMSNorm, and the MLP with a fused SiLU-multiply. The torch path in ``forward.py``
 computes the same function (prefill always uses it).
 
-``FusedPlan.build`` reads the norm weights once (as each norm module would apply them) and says
-why fusion is impossible when a module is not the plain Qwen3.5 kind (ComfyUI casting weights per
-call, an unknown norm class, weights off the device, no usable Triton).
+``FusedPlan.build`` reads the norm weights once (as each norm module would apply them), resolves
+the projections, and says why fusion is impossible when a module is not the plain Qwen3.5 kind
+(an unknown norm class, norm/conv weights the hook cannot read in place, no usable Triton).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import triton_device_reason, triton_module
+from .plain_weights import linear_group, linear_rows
 
 _NORM_CLASSES = ("RMSNorm",)
 _GATED_CLASSES = ("RMSNormGated",)
@@ -36,15 +39,14 @@ class _Reject(Exception):
     pass
 
 
-def _resident(mod, name: str, device: torch.device) -> None:
-    """Reject a module whose weight ComfyUI casts or patches per call, or that lives off ``device``."""
-    if getattr(mod, "comfy_cast_weights", False) or getattr(mod, "weight_function", None):
-        raise _Reject(f"ComfyUI casts or patches the weights of {name} per call")
-    if mod.weight.device != device:
-        raise _Reject(f"weight of {name} lives on {mod.weight.device}, not {device}")
+def _resident(weights, mod, name: str, device: torch.device) -> None:
+    """Reject a module whose own parameters cannot be read in place (the weight hook says why)."""
+    why = weights.tensor_reason(mod, device)
+    if why is not None:
+        raise _Reject(f"{name}: {why}")
 
 
-def _norm_weight(mod, dtype: torch.dtype, device: torch.device, comfy: bool, name: str) -> tuple[torch.Tensor, float]:
+def _norm_weight(weights, mod, dtype: torch.dtype, device: torch.device, name: str) -> tuple[torch.Tensor, float]:
     """The effective float32 weight ``[dim]`` and eps of a (1 + w) / w RMSNorm module."""
     cls = type(mod).__name__
     if cls not in _NORM_CLASSES + _GATED_CLASSES:
@@ -52,13 +54,8 @@ def _norm_weight(mod, dtype: torch.dtype, device: torch.device, comfy: bool, nam
     w, eps, add = getattr(mod, "weight", None), getattr(mod, "eps", None), getattr(mod, "add", None)
     if not isinstance(w, torch.Tensor) or not isinstance(eps, float) or not isinstance(add, bool):
         raise _Reject(f"{name} ({cls}) lacks a weight tensor, a float eps or the add flag")
-    _resident(mod, name, device)
-    w = w.detach()
-    if comfy:  # llama.RMSNorm: (w + 1) in the weight's dtype, cast to the input's dtype
-        eff = (w + 1.0 if add else w).to(dtype).float()
-    else:  # engine.modules.RMSNorm: float32 (w + 1)
-        eff = w.float() + 1.0 if add else w.float()
-    return eff.contiguous(), eps
+    _resident(weights, mod, name, device)
+    return weights.norm_scale(mod, dtype).to(device=device, dtype=torch.float32).contiguous(), eps
 
 
 def _mlp_parts(mlp, name: str):
@@ -71,14 +68,43 @@ def _mlp_parts(mlp, name: str):
     return parts
 
 
+def _projections(binding) -> list[tuple[str, object]]:
+    """Every projection a decode step runs: ``(name, module)`` in model order, the output last."""
+    cfg, out = binding.config, []
+    parts = {"linear_attention": ("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")),
+             "full_attention": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    for i, layer in enumerate(binding.layers):
+        sub, names = parts[cfg.layer_types[i]]
+        out += [(f"layers.{i}.{sub}.{n}", getattr(getattr(layer, sub), n)) for n in names]
+        out += [(f"layers.{i}.mlp.{n}", getattr(layer.mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
+    head = binding.mtp
+    if head is not None:
+        layer = head.layers[0]
+        out.append(("mtp.fc", head.fc))
+        out += [(f"mtp.layers.0.self_attn.{n}", getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                       "o_proj")]
+        out += [(f"mtp.layers.0.mlp.{n}", getattr(layer.mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
+    out.append(("lm_head" if getattr(binding.transformer, "lm_head", None) is not None else "embed_tokens (tied)",
+                binding.output_module))
+    return [(n, m) for n, m in out if m is not None]
+
+
 class FusedPlan:
     """Prepared constants of the fused path: per layer the input/post norm weights, and for DeltaNet
     layers the conv weight ``[C,K]`` and gated-norm weight; for attention layers the q/k norm
-    weights; the same for the MTP head."""
+    weights; the same for the MTP head. ``linears``: the projections read in place
+    (``id(module) -> PlainLinear``, see ``engine/plain_weights.py``); ``unresolved``: the others
+    (``name -> why``), which run through their module's own call; ``output``: the output projection's
+    record, or None."""
 
-    def __init__(self, ops, norms: dict, convs: dict, mlps: dict, eps: float):
+    def __init__(self, ops, norms: dict, convs: dict, mlps: dict, eps: float, linears: dict | None = None,
+                 unresolved: dict | None = None, output=None, formats: dict | None = None):
         self.ops, self.step = ops
         self.norms, self.convs, self.mlps, self.eps = norms, convs, mlps, eps
+        self.linears = linears or {}
+        self.unresolved = unresolved or {}
+        self.output = output
+        self.formats = formats or {}  # "int8" / dtype name -> count of resolved projections
 
     @classmethod
     def build(cls, binding, device, dtype: torch.dtype) -> tuple[FusedPlan | None, str | None]:
@@ -96,11 +122,11 @@ class FusedPlan:
         why = ops[1].step_reason(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         if why is not None:
             return None, f"the fused DeltaNet kernel does not support this model: {why}"
-        comfy = binding.is_comfy
+        weights = binding.weights
         norms, convs, mlps, eps = {}, {}, {}, set()
 
         def norm(mod, key):
-            w, e = _norm_weight(mod, dtype, device, comfy, key)
+            w, e = _norm_weight(weights, mod, dtype, device, key)
             norms[key] = w
             eps.add(e)
 
@@ -113,7 +139,7 @@ class FusedPlan:
                     la = layer.linear_attn
                     norm(la.norm, f"layers.{i}.linear_attn.norm")
                     conv, name = la.conv1d, f"layers.{i}.linear_attn.conv1d"
-                    _resident(conv, name, device)
+                    _resident(weights, conv, name, device)
                     if getattr(conv, "bias", None) is not None:
                         raise _Reject(f"{name} has a bias")
                     convs[i] = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(dtype).contiguous()
@@ -135,7 +161,45 @@ class FusedPlan:
             return None, str(exc)
         if len(eps) != 1:
             return None, f"the norms use different eps values {sorted(eps)}"
-        return cls(ops, norms, convs, mlps, eps.pop()), None
+        linears, unresolved, formats, output = {}, {}, {}, None
+        for name, mod in _projections(binding):
+            plain, why = weights.linear(mod, device, dtype)
+            if plain is None:
+                unresolved[name] = why
+                continue
+            linears[id(mod)] = plain
+            kind = "int8" + ("+ConvRot" if plain.rotation is not None else "") if plain.quantized \
+                else str(plain.weight.dtype).replace("torch.", "")
+            formats[kind] = formats.get(kind, 0) + 1
+            if mod is binding.output_module:
+                output = plain
+        return cls(ops, norms, convs, mlps, eps.pop(), linears, unresolved, output, formats), None
+
+    def describe(self) -> str:
+        """One line: how many projections are read in place (by format) and which are not, and why."""
+        done = sum(self.formats.values())
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.formats.items()))
+        line = f"{done} of {done + len(self.unresolved)} projections read in place ({kinds or 'none'})"
+        if self.unresolved:
+            by_reason: dict[str, list[str]] = {}
+            for name, why in self.unresolved.items():
+                by_reason.setdefault(why, []).append(name)
+            parts = [f"{names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + f": {why}"
+                     for why, names in by_reason.items()]
+            line += "; through their module call (slower): " + "; ".join(parts)
+        return line
+
+    def lin(self, module, x: torch.Tensor) -> torch.Tensor:
+        """One projection of decode rows: in place when resolved, else the module's own call."""
+        plain = self.linears.get(id(module))
+        return module(x) if plain is None else linear_rows(x, plain)
+
+    def lins(self, modules, x: torch.Tensor) -> list[torch.Tensor]:
+        """Projections of the same rows x (grouped into one launch where they are int8)."""
+        plains = [self.linears.get(id(m)) for m in modules]
+        if all(p is not None for p in plains):
+            return linear_group(x, plains)
+        return [self.lin(m, x) for m in modules]
 
     # ------------------------------------------------------------------ building blocks
     def norm(self, key: str, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -143,16 +207,18 @@ class FusedPlan:
         return self.ops.add_rms_norm(x, residual, self.norms[key], self.eps)
 
     def mlp(self, key, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU through the module's own Linears: x ``[B,S,H]`` -> ``[B,S,H]``."""
+        """SwiGLU: x ``[B,S,H]`` -> ``[B,S,H]``."""
         gate, up, down = self.mlps[key]
-        return down(self.ops.silu_mul(gate(x), up(x)))
+        g, u = self.lins((gate, up), x)
+        return self.lin(down, self.ops.silu_mul(g, u))
 
     def qk(self, prefix: str, attn, xn: torch.Tensor, cos, sin, head_dim: int, hq: int, hkv: int):
         """q ``[B,Hq,S,D]``, k ``[B,Hkv,S,D]`` (normed, rotated), v ``[B,Hkv,S,D]`` view, gate ``[B,S,Hq,D]`` view."""
         b, s, _ = xn.shape
-        qg = attn.q_proj(xn).view(b, s, hq, 2 * head_dim)
-        k = attn.k_proj(xn).view(b, s, hkv, head_dim)
-        v = attn.v_proj(xn).view(b, s, hkv, head_dim).transpose(1, 2)
+        qg, k, v = self.lins((attn.q_proj, attn.k_proj, attn.v_proj), xn)
+        qg = qg.view(b, s, hq, 2 * head_dim)
+        k = k.view(b, s, hkv, head_dim)
+        v = v.view(b, s, hkv, head_dim).transpose(1, 2)
         q = self.ops.rms_norm_rope(qg[..., :head_dim], self.norms[f"{prefix}.q_norm"], self.eps, cos, sin)
         k = self.ops.rms_norm_rope(k, self.norms[f"{prefix}.k_norm"], self.eps, cos, sin)
         return q, k, v, qg[..., head_dim:]
@@ -165,8 +231,9 @@ class FusedPlan:
                  states_out: torch.Tensor, window_out: torch.Tensor) -> torch.Tensor:
         """Fused DeltaNet mixer for S rows; writes per-row states / the conv window into the given
         buffers (the caller stages them). xn ``[B,S,H]`` -> ``[B,S,H]``."""
+        qkv, z, a, b = self.lins((la.in_proj_qkv, la.in_proj_z, la.in_proj_a, la.in_proj_b), xn)
         out, _, _ = self.step.gated_delta_step(
-            la.in_proj_qkv(xn), la.in_proj_z(xn), la.in_proj_a(xn), la.in_proj_b(xn), state.conv, self.convs[i],
+            qkv, z, a, b, state.conv, self.convs[i],
             neg_a, dt_bias, state.recurrent, self.norms[f"layers.{i}.linear_attn.norm"], self.eps,
             key_heads=key_heads, states_out=states_out, window_out=window_out)
-        return la.out_proj(out)
+        return self.lin(la.out_proj, out)

@@ -67,7 +67,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
              callback: Callable[[list[int], list[int], GenerationStats], None] | None = None,
              mtp_draft: str | Callable[[int], int] = "argmax", cache_fill: float | None = None,
              cuda_graphs: bool | str = "auto", fused: bool | str = "auto",
-             weight_cast: Callable | None = None) -> GenerationResult:
+             weight_cast: Callable | None = None, weights=None) -> GenerationResult:
     """Generate up to ``max_length`` tokens after a prompt given as embeddings.
 
     embeds ``[T,H]`` or ``[1,T,H]`` float (batch 1), on the device to run on. ``position_ids``:
@@ -88,10 +88,11 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     raises, generation stops and the exception propagates (the model is untouched and reusable).
     ``cache_fill`` pre-fills every K/V slot (tests: NaN shows unfilled slots are never read).
     ``weight_cast``: the application layer's hook for module weights it casts per call (see
-    ``bind``); ComfyUI's layer passes it.
+    ``bind``); ComfyUI's layer passes it. ``weights``: how decode kernels read module weights in place
+    (see ``bind``; default: the engine's own modules); ComfyUI's layer passes its resolver.
     Returns ``GenerationResult(tokens, stats, stop_reason)``.
     """
-    binding = bind(module_or_binding, weight_cast=weight_cast)
+    binding = bind(module_or_binding, weight_cast=weight_cast, weights=weights)
     req = GenerationRequest.check(
         binding, embeds, do_sample=do_sample, max_length=max_length, temperature=temperature, top_k=top_k,
         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,

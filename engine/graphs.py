@@ -4,8 +4,9 @@
 cache length lives on the device, so one graph serves every position; the host bookkeeping the
 eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
 replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
-the graph lives: when ComfyUI offloads or casts weights per call, or the attention backend is not
-graph-safe, ``graph_blocker`` names the reason and generation runs eagerly (said once).
+the graph lives (a GraphRunner lives for one generation): when a projection still runs through a
+module that casts or offloads per call, or the attention backend is not graph-safe,
+``graph_blocker`` names the reason and generation runs eagerly (said once).
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ def _modules(binding):
         yield binding.mtp
 
 
-def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: str) -> str | None:
-    """None when decode steps can be captured, else the reason (one line)."""
+def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: str, plan=None) -> str | None:
+    """None when decode steps can be captured, else the reason (one line). With a fused ``plan``
+    that read every projection in place, a step calls no module (norms, convs and projections are
+    plain tensors read by the kernels), so only those tensors must stay put, and they are on the
+    device by construction; otherwise every module the step calls must be safe to capture (the
+    binding's weight hook says) and every weight on the device."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (running on {device.type})"
     dev = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
@@ -36,11 +41,16 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
         attention = resolve_backend(q, cfg.head_dim ** -0.5)
     if not ATTENTION_BACKENDS[attention].graph_safe:
         return f"the '{attention}' attention backend syncs with the host"
+    if plan is not None:
+        if not plan.unresolved:
+            return None
+        name, why = next(iter(plan.unresolved.items()))
+        return f"{name} runs through its module call ({why})"
     for root in _modules(binding):
         for name, mod in root.named_modules():
-            if getattr(mod, "comfy_cast_weights", False):
-                return (f"ComfyUI casts or offloads weights per call ({name or 'model'}); load the model "
-                        "fully on the GPU for graphs")
+            why = binding.weights.module_call_reason(mod)
+            if why is not None:
+                return f"{name or 'model'}: {why}"
         for name, p in list(root.named_parameters()) + list(root.named_buffers()):
             if p.device != dev:
                 return f"weight {name} lives on {p.device}, not {dev} (partially loaded model)"

@@ -55,14 +55,16 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     attention_backend(attention, binding.config, dtype, device)
     cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
                        fill=cache_fill)
-    runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention,
-                    fused=fused_plan(fused, binding, device, dtype))
-    if cuda_graphs:
-        blocker = graph_blocker(binding, torch.device(device), dtype, attention)
-        if blocker is None:
-            return GraphRunner(runner)
+    plan = fused_plan(fused, binding, device, dtype)
+    binding.plain_output = None if plan is None else plan.output
+    runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
+    blocker = "off" if not cuda_graphs else graph_blocker(binding, torch.device(device), dtype, attention, plan)
+    if blocker not in (None, "off"):
         if cuda_graphs is True:
             raise Qwen35Error(f"cuda_graphs=True but {blocker}; use cuda_graphs='auto' or False")
         if torch.device(device).type == "cuda":
             say_once(log, f"Qwen3.5 decode runs without CUDA graphs: {blocker}")
-    return runner
+    if plan is not None:
+        log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s", plan.describe(),
+                 "on" if blocker is None else "off" if blocker == "off" else f"off ({blocker})")
+    return GraphRunner(runner) if blocker is None else runner

@@ -24,6 +24,10 @@ import triton
 import triton.language as tl
 
 from .capabilities import triton_device_reason
+from .convrot import hadamard, hadamard_rotate_torch
+
+__all__ = ["MAX_GROUP", "MAX_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_rotate",
+           "hadamard_rotate_torch"]
 
 MAX_ROWS = 16
 MAX_GROUP = 4
@@ -185,18 +189,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     return gemv_group(x, [w], scales=None if scale is None else [scale], config=config)[0]
 
 
-def hadamard(size: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The normalized regular Hadamard matrix ``[size, size]`` of ConvRot (size a power of 4):
-    ``kron`` powers of ``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] / 2``; symmetric and orthogonal."""
-    if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
-        raise ValueError(f"ConvRot group size must be a power of 4 (>= 4), got {size}")
-    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
-    h = h4
-    while h.shape[0] < size:
-        h = torch.kron(h, h4)
-    return (h / size ** 0.5).to(dtype=dtype, device=device)
-
-
 @triton.jit
 def _rotate_kernel(X, H, Y, K, sx_m, sy_m, G: tl.constexpr, GROUPS: tl.constexpr, BLOCK_J: tl.constexpr,
                    IEEE: tl.constexpr):
@@ -239,9 +231,3 @@ def hadamard_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     _rotate_kernel[grid](x2, hh, y, k, x2.stride(0), y.stride(0), G=g, GROUPS=groups, BLOCK_J=block_j,
                          IEEE=x.dtype == torch.float32, num_warps=4)
     return y.reshape(x.shape)
-
-
-def hadamard_rotate_torch(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Torch twin of ``hadamard_rotate`` (same math: float32 products, one rounding)."""
-    g = h.shape[0]
-    return (x.reshape(-1, g).float() @ h.to(device=x.device, dtype=torch.float32)).to(x.dtype).reshape(x.shape)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..engine import ATTENTION_CHOICES, MTP_CHOICES, check_max_length, generate, parse_mtp
 from ..engine.config import RELEASED_STOP_TOKENS
+from . import comfy_weights
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 INFO_KEY = "qwen35_fast"
 
 __all__ = ["ATTENTION_CHOICES", "MTP_CHOICES", "parse_mtp"]  # the nodes' options, from the engine
+
+#: How the engine reads ComfyUI-loaded weights in place (one per process: it caches ConvRot matrices).
+WEIGHTS = comfy_weights.Resolver()
 
 
 class Qwen35Unsupported(ValueError):
@@ -36,13 +40,15 @@ class Qwen35Target:
 
     ``clip_attr``: attribute of ``clip.cond_stage_model`` holding the ``SDClipModel`` (e.g.
     ``"qwen35_9b"``); ``clip_model``: that ``SDClipModel``; ``transformer``: its ``Qwen35``
-    (``BaseGenerate``) instance; ``model``: the decoder module tree (``transformer.model``).
+    (``BaseGenerate``) instance; ``model``: the decoder module tree (``transformer.model``);
+    ``patcher``: the CLIP's ModelPatcher (None when unknown).
     """
 
     clip_attr: str
     clip_model: Any
     transformer: Any
     model: Any
+    patcher: Any = None
 
     @property
     def generate_path(self) -> str:
@@ -85,7 +91,7 @@ def find_qwen35(clip) -> Qwen35Target:
             raise Qwen35Unsupported(
                 f"{type(clip_model).__name__} has no {name}(): this ComfyUI version is not supported "
                 "by the pack; update ComfyUI.")
-    return Qwen35Target(clip_attr, clip_model, transformer, model)
+    return Qwen35Target(clip_attr, clip_model, transformer, model, getattr(clip, "patcher", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,17 +327,22 @@ def default_execution_dtype(device):
 def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int, temperature: float,
                top_k: int, top_p: float, min_p: float, repetition_penalty: float, seed, presence_penalty: float,
                mtp="auto", attention: str = "auto", position_ids=None, stop_tokens=None, initial_tokens=(),
-               min_tokens: int = 0, execution_dtype=None, decode=None, label: str = "Qwen3.5") -> TokenList:
+               min_tokens: int = 0, execution_dtype=None, decode=None, label: str = "Qwen3.5",
+               mtp_draft="argmax") -> TokenList:
     """Generate with the engine on ComfyUI's loaded Qwen3.5, with progress/Cancel/preview and a log line.
 
     Arguments follow core ``BaseGenerate.generate``; ``seed=None`` (core's greedy call) means 0.
-    Returns the token ids as a ``TokenList`` carrying the engine stats.
+    The model is first made resident where ComfyUI left it partly loaded and VRAM allows
+    (``comfy_weights.make_resident``), and its weights are read in place by the decode kernels
+    where they can be (``comfy_weights.Resolver``). ``mtp_draft``: see ``engine.generate``
+    (benchmarks). Returns the token ids as a ``TokenList`` carrying the engine stats.
     """
     check_max_length(max_length)
     if stop_tokens is None:
         stop_tokens = stop_tokens_of(target)
     if execution_dtype is None:
         execution_dtype = default_execution_dtype(embeds.device)
+    comfy_weights.make_resident(target.patcher)
     progress = Progress(max_length, decode=decode)
     result = generate(
         target.transformer, embeds, do_sample=bool(do_sample), max_length=max_length,
@@ -339,7 +350,8 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
         repetition_penalty=float(repetition_penalty), seed=0 if seed is None else int(seed),
         stop_tokens=list(stop_tokens), min_tokens=int(min_tokens), presence_penalty=float(presence_penalty or 0.0),
         initial_tokens=list(initial_tokens or ()), mtp=parse_mtp(mtp), position_ids=position_ids,
-        attention=attention, execution_dtype=execution_dtype, callback=progress, weight_cast=comfy_weight_cast)
+        attention=attention, execution_dtype=execution_dtype, callback=progress, weight_cast=comfy_weight_cast,
+        weights=WEIGHTS, mtp_draft=mtp_draft)
     tokens = TokenList(result.tokens)
     tokens.stats = result.stats
     tokens.stop_reason = getattr(result, "stop_reason", None)

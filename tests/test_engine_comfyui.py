@@ -10,6 +10,7 @@ top-k is off.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from qwen35_fast.engine import bind, build_mtp_head, generate
-from qwen35_fast.patches.comfy_bridge import comfy_weight_cast
+from qwen35_fast.patches.comfy_bridge import WEIGHTS, comfy_weight_cast
 
 from tests.oracles.tiny import add_mtp, make_tiny, to_layout
 
@@ -25,7 +26,8 @@ COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.comfyui,
               pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI checkout> to run")]
 
-BIND = dict(weight_cast=comfy_weight_cast)  # how the ComfyUI layer binds: tied logits cast by comfy.ops
+#: How the ComfyUI layer binds: tied logits cast by comfy.ops, weights read in place by its resolver.
+BIND = dict(weight_cast=comfy_weight_cast, weights=WEIGHTS)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,11 @@ def comfy():
     return comfy.ops, qwen35
 
 
-def _comfy_model(comfy, sd, d, ops_name="manual_cast"):
-    ops, qwen35 = comfy
+def _comfy_model(comfy, sd, d, ops=None, layout=None):
+    """ComfyUI's ``Qwen35`` (no vision tower) with ``ops`` (default ``manual_cast``), loaded from
+    ``sd`` in ComfyUI's key layout (``layout(sd)`` first when given, e.g. int8 quantization)."""
+    comfy_ops, qwen35 = comfy
+    ops = comfy_ops.manual_cast if ops is None else ops
     cfg = qwen35.Qwen35Config(
         vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
         num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
@@ -61,14 +66,14 @@ def _comfy_model(comfy, sd, d, ops_name="manual_cast"):
         def __init__(self):
             torch.nn.Module.__init__(self)
             self.num_layers = cfg.num_hidden_layers
-            self.model = qwen35.Qwen35Transformer(cfg, device="cpu", dtype=torch.float32,
-                                                  ops=getattr(ops, ops_name))
+            self.model = qwen35.Qwen35Transformer(cfg, device="cpu", dtype=torch.float32, ops=ops)
             self.dtype = torch.float32
             self.mtp = None  # newer core's own MTP head slot (built by load_clip from mtp.* tensors)
 
     model = Tiny()
     text = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
-    missing, unexpected = model.load_state_dict(to_layout(text, "comfyui"), strict=False)
+    text = to_layout(text, "comfyui")
+    missing, unexpected = model.load_state_dict(text if layout is None else layout(text), strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     return model
 
@@ -79,7 +84,7 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     sd, d = make_tiny(seed, strength=0.5, tied=tied)
     model = _comfy_model(comfy, sd, d)
     b = bind(model)
-    assert b.is_comfy and bind(model.model).transformer is model.model and b.mtp is None
+    assert bind(model.model).transformer is model.model and b.mtp is None
     emb = torch.randn(6, d["hidden_size"], generator=rng)
     with torch.no_grad():
         core = model.generate(emb.clone(), do_sample=False, max_length=20, stop_tokens=[],
@@ -104,30 +109,63 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
 
 
-def test_fused_path_on_comfyui_modules(comfy, rng):
-    """ComfyUI's own modules with weights used in place (``disable_weight_init`` ops, what ComfyUI
-    uses when weights need no cast): the fused plan accepts its norms, gated norm, conv and MLP and
-    gives the engine's torch-path tokens (CPU, Triton interpreter), with and without MTP; the torch
-    path itself equals core's tokens above (``manual_cast``). With ``manual_cast`` ops (weights cast
-    per call) the plan refuses, naming why."""
+def _int8_convrot(sd: dict, group: int = 16) -> dict:
+    """ComfyUI's int8_tensorwise + ConvRot layout (as its save path writes it: int8 ``weight``, float32
+    ``weight_scale`` per row, a ``comfy_quant`` JSON entry) for every projection of the decoder layers
+    and lm_head, quantized by comfy-kitchen's own quantizer."""
+    from comfy_kitchen.tensor import TensorWiseINT8Layout
+
+    conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise", "convrot": True,
+                                         "convrot_groupsize": group}).encode()), dtype=torch.uint8)
+    out = {}
+    for key, t in sd.items():
+        if t.dim() == 2 and "embed_tokens" not in key and "mtp." not in key:  # every Linear of the text model
+            q, params = TensorWiseINT8Layout.quantize(t, is_weight=True, per_channel=True, convrot=True,
+                                                      convrot_groupsize=group)
+            layer = key[:-len(".weight")]
+            out.update({key: q, f"{layer}.weight_scale": params.scale.float().reshape(-1, 1),
+                        f"{layer}.comfy_quant": conf})
+        else:
+            out[key] = t
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8_convrot"])
+def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt):
+    """ComfyUI's own modules as its loader leaves them (``manual_cast`` ops, or ``MixedPrecisionOps``
+    with int8_tensorwise + ConvRot weights; ``comfy_cast_weights`` / ``comfy_force_cast_weights`` set
+    as ``ModelPatcher.load`` writes them on a CLIP): the fused plan reads every projection in place (nothing left
+    on the module path) and its greedy tokens, MTP off and depth 3, equal the module path's, where
+    ComfyUI itself dequantizes (``_full_precision_mm``: weight-only, like the fast path). CPU, Triton
+    interpreter."""
     from qwen35_fast.engine.fused import FusedPlan
 
+    ops, _ = comfy
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
     sd, d = make_tiny(seed, strength=0.5)
-    model = _comfy_model(comfy, sd, d, ops_name="disable_weight_init")
-    b = bind(model)
+    layout = None if fmt == "float" else _int8_convrot
+    model = _comfy_model(comfy, sd, d, ops=ops.manual_cast if layout is None else ops.mixed_precision_ops(
+        {}, torch.float32), layout=layout)
+    for m in model.modules():  # the flags ModelPatcher.load writes on a CLIP's modules (say "may cast")
+        m.comfy_force_cast_weights = True
+        if hasattr(m, "comfy_cast_weights"):
+            m.comfy_cast_weights = True
+    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
+    model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, bind(model).config)
+    b = bind(model, **BIND)
     plan, why = FusedPlan.build(b, "cpu", torch.float32)
     if plan is None and "Triton" in why:
         pytest.skip(why)
     assert plan is not None, why
-    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
-    model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, b.config)
+    assert plan.unresolved == {}, plan.describe()
+    if layout is not None:
+        assert plan.formats.get("int8+ConvRot") == 3 * (5 + 3) + (4 + 3) + 1, plan.formats  # lm_head; MTP float
+        for m in model.modules():
+            if getattr(m, "quant_format", None) == "int8_tensorwise":
+                m._full_precision_mm = True  # the module path: ComfyUI dequantizes, then a float matmul
     emb = torch.randn(11, d["hidden_size"], generator=rng)
     for mtp in ("off", 3):
         kw = dict(do_sample=False, max_length=12, mtp=mtp, stop_tokens=[], execution_dtype=torch.float32,
-                  attention="torch")
+                  attention="torch", cuda_graphs=False)
         fused = generate(model, emb, **BIND, fused=True, **kw)
         assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens, mtp
-    cast = _comfy_model(comfy, sd, d)
-    plan, why = FusedPlan.build(bind(cast), "cpu", torch.float32)
-    assert plan is None and "casts or patches" in why

@@ -10,6 +10,7 @@ from qwen35_fast.engine.errors import Qwen35Error
 from qwen35_fast.engine.forward import Runner
 from qwen35_fast.engine.fused import FusedPlan
 from qwen35_fast.kernels import interpreting
+from qwen35_fast.patches.comfy_weights import Resolver
 
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny
 
@@ -107,12 +108,16 @@ def test_plan_refuses_unknown_modules(model, rng):
             generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, mtp="off", fused=True)
     finally:
         layer.input_layernorm = original
-    original.comfy_cast_weights = True  # ComfyUI casting weights per call: the modules must run
+    comfy = bind(model, weights=Resolver())  # how the ComfyUI layer binds
+    original.comfy_cast_weights = True  # the flag ComfyUI writes on every loaded module says nothing
     try:
-        plan, why = FusedPlan.build(b, "cpu", torch.float32)
-        assert plan is None and "casts or patches" in why
+        assert FusedPlan.build(comfy, "cpu", torch.float32)[0] is not None
+        original.weight_function = [lambda w: w]  # a per-call weight patch (a LoRA): the modules must run
+        plan, why = FusedPlan.build(comfy, "cpu", torch.float32)
+        assert plan is None and "layers.1.input_layernorm" in why and "per-call weight patches" in why
     finally:
         del original.comfy_cast_weights
+        del original.weight_function
     assert FusedPlan.build(b, "cpu", torch.float32)[0] is not None
     with pytest.raises(Qwen35Error, match="fused must be"):
         generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, fused="yes")

@@ -1,0 +1,359 @@
+"""End-to-end decode speed inside a real ComfyUI, on models loaded by ComfyUI's own loader (GPU).
+
+What a user runs: a Qwen3.5-9B-shaped checkpoint in ComfyUI's own formats, loaded with
+``comfy.sd.load_clip`` (through the pack's loader node function, which calls it and grafts the
+file's MTP head), then generated from in one process by
+
+- ``core``: the unpatched CLIP's ``generate`` (core ComfyUI's decode, capacity-bound);
+- ``pack``: the CLIP returned by the pack's patch (``patch_clip``, what the patch node outputs),
+  MTP off: ``clip.generate`` routed to the engine on ComfyUI's own modules, weights resolved in
+  place (``patches/comfy_weights.py``), fused kernels, CUDA graphs;
+- ``pack-forced3``: the engine on the same ComfyUI modules with MTP depth 3, every draft replaced
+  by the token the target will choose (from the MTP-off run), so every draft is accepted: the
+  speed of draft + verify without a trained head (the head still runs). This row calls
+  ``engine.generate`` with the benchmark's draft hook, bound exactly as the patch binds;
+- ``standalone``: the engine's own loader on the same file (after ComfyUI's copy is unloaded).
+
+Formats: ``bf16`` (manual_cast ops) and ``int8`` (``int8_tensorwise`` + ConvRot 256 per layer,
+written as ComfyUI's save path writes it: ``<layer>.weight`` int8, ``<layer>.weight_scale`` float32
+per row, ``<layer>.comfy_quant`` JSON, quantized by comfy-kitchen's own quantizer; every Linear of
+the decoder layers and ``lm_head``; embeddings, norms, conv and the MTP head stay bf16).
+
+The weights are random but *decisive* (``benchmarks.decode_e2e.build_model``): greedy decoding
+repeats the last token with a large logit margin, so 1-row and 4-row steps cannot round apart and
+forced acceptance works; every weight is still read in full at every step. The prompt is ~960
+tokens of text through the CLIP's tokenizer.
+
+Timing: decode tok/s = (tokens - 8) / (time of the last token - time of the 8th), from ComfyUI's
+progress-bar updates (both core and the pack report every token; a generation's first steps
+capture its CUDA graphs, about 0.1-0.5 s once per generation); a warm-up generation first,
+then rows in interleaved order per max_length. Floor = bytes one decode step reads (every weight
+but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allocated per row.
+
+Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
+    python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
+        [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
+        [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35]
+    python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _standalone import load_pack  # noqa: E402
+
+load_pack()
+from qwen35_fast.engine import Qwen35Config  # noqa: E402
+
+from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+from benchmarks.decode_e2e import build_model, config_9b  # noqa: E402
+
+log = logging.getLogger("comfy_e2e")
+HF = "model.language_model."
+
+
+def config_08b() -> Qwen35Config:
+    """Qwen3.5-0.8B text dims (ComfyUI picks the size from the hidden width; for a CPU dry run)."""
+    layers = 24
+    return Qwen35Config(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, conv_kernel_size=4,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)),
+        lm_head=False, mtp_num_hidden_layers=1)
+
+
+def _quantized_layer(name: str, t: torch.Tensor) -> bool:
+    """The Linear weights the int8 file quantizes: decoder layers and lm_head (width a multiple of 256)."""
+    if t.dim() != 2 or t.shape[1] % 256 or "conv1d" in name or name.startswith("mtp."):
+        return False
+    return name.startswith("layers.") or name == "lm_head.weight"
+
+
+@torch.no_grad()
+def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device) -> None:
+    """A decisive random checkpoint in the HF key layout ComfyUI loads, bf16 or int8_convrot."""
+    from safetensors.torch import save_file
+
+    model = build_model(cfg, device, torch.bfloat16).model
+    sd = {}
+    for name, t in model.state_dict().items():
+        key = name if name.startswith("mtp.") or name == "lm_head.weight" else HF + name
+        if fmt == "int8" and _quantized_layer(name, t):
+            from comfy_kitchen.tensor import TensorWiseINT8Layout
+
+            q, params = TensorWiseINT8Layout.quantize(t, is_weight=True, per_channel=True, convrot=True,
+                                                      convrot_groupsize=256)
+            layer = key[:-len(".weight")]
+            sd[key] = q.cpu()
+            sd[layer + ".weight_scale"] = params.scale.float().reshape(-1, 1).cpu()
+            conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
+            sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        else:
+            sd[key] = t.contiguous().cpu()
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(sd, str(tmp))
+    tmp.replace(path)
+
+
+def decode_bytes(path: Path) -> int:
+    """Bytes a decode step reads: every tensor of the file but the embedding table, the MTP head and
+    the int8 metadata (the MTP head runs only in the MTP rows)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            if key.endswith(("embed_tokens.weight", ".comfy_quant")) or key.startswith("mtp."):
+                continue
+            sl = f.get_slice(key)
+            n = 1
+            for d in sl.get_shape():
+                n *= d
+            total += n * {"BF16": 2, "F32": 4, "I8": 1, "U8": 1, "F16": 2}[sl.get_dtype()]
+    return total
+
+
+class _Enough(Exception):
+    pass
+
+
+class TokenClock:
+    """Wraps ComfyUI's ``ProgressBar.update_absolute`` (this process only): records when each token
+    is reported and stops the generation after ``limit`` tokens (core's loop has no other exit)."""
+
+    def __init__(self, comfy_utils):
+        self.utils = comfy_utils
+        self.original = comfy_utils.ProgressBar.update_absolute
+        self.limit, self.times = float("inf"), []
+        clock = self
+
+        def update_absolute(bar, value, total=None, preview=None):
+            clock.times.append((value, time.perf_counter()))
+            clock.original(bar, value, total, preview)
+            if value >= clock.limit:
+                raise _Enough
+
+        comfy_utils.ProgressBar.update_absolute = update_absolute
+
+    def run(self, fn, limit: int, skip: int = 8) -> float:
+        """Call ``fn`` until ``limit`` tokens were reported; decode tok/s from token ``skip`` on (the
+        first steps of a generation capture its CUDA graphs; the prefill is before the first token)."""
+        self.limit, self.times = limit, []
+        try:
+            fn()
+        except _Enough:
+            pass
+        finally:
+            self.limit = float("inf")
+        (v0, t0), (v1, t1) = next(((v, t) for v, t in self.times if v >= skip), self.times[0]), self.times[-1]
+        if v1 < limit:
+            raise RuntimeError(f"generation stopped after {v1} of {limit} tokens")
+        return (v1 - v0) / (t1 - t0)
+
+
+def setup_comfyui(tree: str, dynamic: bool):
+    """Import ComfyUI from ``tree`` in process (as main.py configures it, without its server)."""
+    sys.path.insert(0, tree)
+    import comfy.cli_args
+
+    if not torch.cuda.is_available():
+        comfy.cli_args.args.cpu = True
+    if dynamic:  # main.py's DynamicVRAM switch
+        import comfy.memory_management
+        import comfy.model_management
+        import comfy.model_patcher
+        import comfy_aimdo.control
+
+        comfy_aimdo.control.init()
+        ok = comfy_aimdo.control.init_devices(d.index for d in comfy.model_management.get_all_torch_devices())
+        if not ok:
+            raise RuntimeError("comfy-aimdo did not initialise: no DynamicVRAM here")
+        comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
+    import comfy.model_management
+    import comfy.sd
+    import comfy.utils
+
+    return comfy
+
+
+def prompt_tokens(clip, n_words: int):
+    text = " ".join(f"word{i % 97} colour{i % 13}" for i in range(n_words // 2))
+    return clip.tokenize(text)
+
+
+def peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float) -> list[dict]:
+    from qwen35_fast.engine import generate
+    from qwen35_fast.patches import comfy_bridge as bridge
+    from qwen35_fast.patches.clip_loader import load_qwen35_clip
+    from qwen35_fast.patches.clip_patch import patch_clip
+
+    floor_ms = decode_bytes(path) / bw * 1e3 if bw else 0.0
+    loaded = load_qwen35_clip(str(path), None)
+    clip = loaded.clip
+    tokens = prompt_tokens(clip, args.prompt)
+    patched = patch_clip(clip, mtp="off")
+    rows = []
+
+    def row(kind, max_length, tok_s, **extra):
+        r = {"format": fmt, "kind": kind, "max_length": max_length, "tok_s": tok_s,
+             "ms_per_token": 1e3 / tok_s, "peak_gb": peak_gb(), "floor_ms": floor_ms,
+             "floor_pct": 100 * floor_ms * tok_s / 1e3, **extra}
+        rows.append(r)
+        print(f"{fmt:>5} {kind:>13} max_length {max_length:>6}: {tok_s:8.1f} tok/s {r['ms_per_token']:7.2f} ms/token "
+              f"peak {r['peak_gb']:6.2f} GB floor {floor_ms:.2f} ms ({r['floor_pct']:.0f}%)", flush=True)
+
+    greedy = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
+                  presence_penalty=0.0)
+    # Warm-up (kernels compiled, graphs captured once, the model loaded on the GPU).
+    clock.run(lambda: patched.generate(tokens, max_length=64, **greedy), 32)
+    target = bridge.find_qwen35(patched)
+    embeds, _ = bridge.prompt_embeds(target, tokens, comfy.model_management.get_torch_device())
+
+    for max_length in args.max_lengths:
+        order = [k for k in ("pack", "forced3", "core") if k in args.kinds
+                 and (k != "core" or max_length in args.core_max_lengths)]
+        for kind in order:
+            reset_peak()
+            if kind == "core":
+                tok_s = clock.run(lambda m=max_length: clip.generate(tokens, max_length=m, **greedy), args.core_tokens)
+                row("core", max_length, tok_s)
+            elif kind == "pack":
+                tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **greedy), args.tokens)
+                row("pack", max_length, tok_s)
+            else:
+                # The MTP-off token sequence (the drafts to force), then depth 3 with those drafts.
+                drafts = list(bridge.run_engine(target, embeds, max_length=args.tokens + 8, mtp="off", **greedy))
+                reset_peak()
+                tok_s = clock.run(lambda m=max_length: bridge.run_engine(
+                    target, embeds, max_length=m, mtp=3,
+                    mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), args.tokens)
+                row("pack-forced3", max_length, tok_s)
+    comfy.model_management.unload_all_models()
+    patched = target = embeds = clip = loaded = None
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if "standalone" in args.kinds and fmt == "bf16":  # the standalone loader reads plain float files
+        from qwen35_fast.engine import load_standalone
+
+        model = load_standalone(str(path), device=comfy.model_management.get_torch_device(), dtype=torch.bfloat16)
+        emb = embeds_like(model, embeds_shape=args.prompt)
+        for max_length in args.max_lengths[:1]:
+            reset_peak()
+            marks = []
+
+            def cb(all_tokens, new, stats, marks=marks):
+                marks.append((len(all_tokens), time.perf_counter()))
+                if len(all_tokens) >= args.tokens:
+                    raise _Enough
+
+            for _ in range(2):  # a warm-up (kernels compiled for this model), then the timed run
+                marks.clear()
+                try:
+                    generate(model, emb, do_sample=False, max_length=max_length, stop_tokens=[], mtp="off",
+                             callback=cb)
+                except _Enough:
+                    pass
+            (v0, t0), (v1, t1) = next((m for m in marks if m[0] >= 8), marks[0]), marks[-1]
+            row("standalone", max_length, (v1 - v0) / (t1 - t0))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def embeds_like(model, embeds_shape: int):
+    """A prompt of ``embeds_shape`` token embeddings for the standalone model."""
+    ids = torch.arange(embeds_shape, device=model.model.embed_tokens.weight.device) % 5000 + 1000
+    return model.model.embed_tokens(ids)[None].to(torch.bfloat16)
+
+
+def markdown(run: dict) -> str:
+    """README table of one saved run."""
+    lines = [f"{run['device']}, torch {run['torch']}, ComfyUI {run['comfyui']}; copy bandwidth "
+             f"{run['copy_bw_Bps'] / 1e12:.2f} TB/s; prompt {run['prompt']} tokens, greedy",
+             "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in run["rows"]:
+        lines.append(f"| {r['format']} | {r['kind']} | {r['max_length']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} "
+                     f"| {r['floor_ms']:.2f} ({r['floor_pct']:.0f}%) | {r['peak_gb']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", help="a ComfyUI tree (imported in process)")
+    ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
+    ap.add_argument("--kinds", nargs="+", default=["core", "pack", "forced3", "standalone"])
+    ap.add_argument("--max-lengths", nargs="+", type=int, default=[4096, 24000, 65536])
+    ap.add_argument("--core-max-lengths", nargs="+", type=int, default=[4096, 24000])
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--core-tokens", type=int, default=100)
+    ap.add_argument("--prompt", type=int, default=960, help="prompt words (about one token each)")
+    ap.add_argument("--size", choices=["9b", "0.8b"], default="9b")
+    ap.add_argument("--dir", default="/dev/shm/qwen35_comfy_e2e")
+    ap.add_argument("--dynamic", action="store_true", help="load through DynamicVRAM (needs comfy-aimdo)")
+    ap.add_argument("--json", default="comfy_e2e.json")
+    ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
+    args = ap.parse_args()
+    if args.report:
+        print(markdown(json.loads(Path(args.report).read_text())))
+        return
+    if not args.comfyui:
+        ap.error("--comfyui is required")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    comfy = setup_comfyui(args.comfyui, args.dynamic)
+    clock = TokenClock(comfy.utils)
+    device = comfy.model_management.get_torch_device()
+    cfg = config_9b() if args.size == "9b" else config_08b()
+    bw = copy_bandwidth() if torch.cuda.is_available() else 0.0
+    run = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "comfyui": _comfy_version(args.comfyui), "copy_bw_Bps": bw,
+           "prompt": args.prompt, "size": args.size, "dynamic": args.dynamic, "rows": []}
+    for fmt in args.formats:
+        path = Path(args.dir) / f"qwen35_{args.size}_{fmt}.safetensors"
+        if not path.exists():
+            t0 = time.perf_counter()
+            write_checkpoint(path, fmt, cfg, device)
+            print(f"# wrote {path} ({path.stat().st_size / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+        run["rows"] += bench_format(comfy, fmt, path, args, clock, bw)
+        Path(args.json).write_text(json.dumps(run, indent=1))
+    print(markdown(run))
+
+
+def _comfy_version(tree: str) -> str:
+    try:
+        text = (Path(tree) / "comfyui_version.py").read_text()
+        return text.split('"')[1]
+    except (OSError, IndexError):
+        return os.path.basename(tree)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""ConvRot's rotation in plain torch (no Triton needed): the matrix, and the torch twin of the rotation.
+
+ComfyUI's int8_tensorwise ConvRot weights are stored rotated per group of G input features
+(``W_rot = W @ H.T``, H the normalized regular Hadamard matrix of size G); a product with them
+needs the input rotated the same way (``x_g @ H``). ``kernels.gemv.hadamard_rotate`` is the Triton
+version of ``hadamard_rotate_torch``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def hadamard(size: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The normalized regular Hadamard matrix ``[size, size]`` of ConvRot (size a power of 4):
+    ``kron`` powers of ``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] / 2``; symmetric and orthogonal."""
+    if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
+        raise ValueError(f"ConvRot group size must be a power of 4 (>= 4), got {size}")
+    h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
+    h = h4
+    while h.shape[0] < size:
+        h = torch.kron(h, h4)
+    return (h / size ** 0.5).to(dtype=dtype, device=device)
+
+
+def hadamard_rotate_torch(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x ``[..., K]`` with every group of ``G = h.shape[0]`` features times ``h``: float32 products,
+    one rounding to x's dtype. Same math as ``kernels.gemv.hadamard_rotate``."""
+    g = h.shape[0]
+    return (x.reshape(-1, g).float() @ h.to(device=x.device, dtype=torch.float32)).to(x.dtype).reshape(x.shape)

@@ -1,0 +1,164 @@
+"""Resolve the weights of a ComfyUI-loaded Qwen3.5 into plain tensors the engine's decode kernels read.
+
+ComfyUI's ``ModelPatcher.load`` writes ``comfy_cast_weights=True`` on every Linear/Embedding/Conv1d
+and ``comfy_force_cast_weights=True`` on every module of a loaded CLIP (``CLIP.__init__`` sets a
+compute dtype), whatever the file's format: those flags say "may cast", nothing about where a
+weight is or what a call would add. What
+decides whether the fast path may read a module's weight itself is in the module and its weight:
+
+* no per-call work ComfyUI would add: no ``weight_function`` / ``bias_function`` patches (LoRA,
+  hooks), no lowvram patch functions, no forced casting;
+* the weight is resident: on the execution device, not streamed in per call (DynamicVRAM's
+  ``_v``) and not left on the CPU by a partial (lowvram) load;
+* a format the kernels read as stored: a plain tensor in the execution dtype, or comfy-kitchen's
+  ``TensorWiseINT8Layout`` (int8 rows, a float32 scale per row or per tensor, optionally ConvRot).
+
+A resolved module gives a ``PlainLinear`` over the same storage (no copy); anything else keeps
+ComfyUI's own module call, and ``resolve`` says why, naming the module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..engine.plain_weights import PlainLinear
+from ..kernels import say_once
+from ..kernels.convrot import hadamard
+
+log = logging.getLogger(__name__)
+
+INT8_LAYOUT = "TensorWiseINT8Layout"
+
+
+def per_call_work(module) -> str | None:
+    """Why ComfyUI would do work on ``module``'s weight at every call (None when it would not)."""
+    if getattr(module, "_v", None) is not None:
+        return "ComfyUI streams its weights in per call (DynamicVRAM)"
+    if getattr(module, "weight_function", None) or getattr(module, "bias_function", None):
+        return "it has per-call weight patches (LoRA or hooks)"
+    if getattr(module, "weight_lowvram_function", None) is not None or \
+            getattr(module, "bias_lowvram_function", None) is not None:
+        return "it has lowvram weight patches"
+    return None
+
+
+def make_resident(patcher) -> str | None:
+    """Load a partly loaded (lowvram) CLIP fully through ComfyUI's own model management when the
+    free VRAM allows, so the decode kernels can read every weight in place. Returns None when the
+    model is (now) fully loaded or not ComfyUI's, else why it stays partly offloaded (the module
+    path then runs for the offloaded layers, and the engine's log line names them)."""
+    if patcher is None or not hasattr(patcher, "loaded_size") or not hasattr(patcher, "model_size"):
+        return None
+    if getattr(patcher, "is_dynamic", lambda: False)():
+        why = ("ComfyUI loaded this model with DynamicVRAM (weights streamed in per call, so the decode kernels "
+               "cannot read them in place): load it with 'Load Qwen3.5 CLIP (MTP)', which loads it resident, "
+               "or start ComfyUI with --disable-dynamic-vram")
+        say_once(log, f"Qwen3.5: {why}")
+        return why
+    import comfy.model_management as mm
+
+    total, loaded = patcher.model_size(), patcher.loaded_size()
+    if loaded >= total or mm.is_device_cpu(patcher.load_device):
+        return None
+    free = mm.get_free_memory(patcher.load_device)
+    if free < (total - loaded) * 1.1:
+        why = (f"only {loaded / 2**30:.1f} of {total / 2**30:.1f} GB of the model fit on the GPU next to the other "
+               f"models ({free / 2**30:.1f} GB free); the offloaded layers run through ComfyUI's module calls")
+        log.warning("Qwen3.5: %s", why)
+        return why
+    mm.load_models_gpu([patcher], force_full_load=True)
+    log.info("Qwen3.5: loaded the whole model on the GPU (%.1f GB) so the decode kernels read it in place",
+             total / 2**30)
+    return None
+
+
+class Resolver:
+    """The weight hook the engine's ``bind`` takes for a ComfyUI-loaded tree (see
+    ``engine.plain_weights.StandaloneWeights`` for the contract). ConvRot matrices are built once per
+    (group size, device, dtype)."""
+
+    def __init__(self):
+        self._rotations: dict[tuple, torch.Tensor] = {}
+
+    def rotation(self, group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (group, device, dtype)
+        if key not in self._rotations:
+            self._rotations[key] = hadamard(group, dtype=dtype, device=device)
+        return self._rotations[key]
+
+    def module_call_reason(self, module) -> str | None:
+        """Why calling this ComfyUI module inside a CUDA graph is unsafe: its call goes through
+        ComfyUI's cast / offload machinery (host work, streams, per-call buffers)."""
+        if getattr(module, "comfy_cast_weights", False):
+            return "ComfyUI casts its weights in the module call"
+        return per_call_work(module)
+
+    def tensor_reason(self, module, device: torch.device) -> str | None:
+        """None when a norm's / conv's own parameters can be read in place on ``device``."""
+        why = per_call_work(module)
+        if why is not None:
+            return why
+        for name, p in module.named_parameters(recurse=False):
+            if p.device != device:
+                return f"its {name} lives on {p.device}, not {device} (the model is partly offloaded)"
+        return None
+
+    def norm_scale(self, module, dtype: torch.dtype) -> torch.Tensor:
+        """ComfyUI's ``RMSNorm`` multiplies by ``(w + 1)`` computed in the weight's dtype and cast to
+        the input's dtype (``add=False``: ``w`` cast the same way); returned as float32."""
+        w = module.weight.detach()
+        return (w + 1.0 if module.add else w).to(dtype).float()
+
+    def linear(self, module, device: torch.device, dtype: torch.dtype) -> tuple[PlainLinear | None, str | None]:
+        """``(PlainLinear over the module's own storage, None)`` or ``(None, why it is not read in place)``."""
+        why = per_call_work(module)
+        if why is not None:
+            return None, why
+        w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+        if not isinstance(w, torch.Tensor):
+            return None, "it has no weight tensor"
+        if b is not None and (type(b) not in (torch.Tensor, torch.nn.Parameter) or b.device != device
+                              or b.dtype != dtype):
+            return None, f"its bias is {b.dtype} on {b.device}, not {dtype} on {device}"
+        bias = None if b is None else b.detach()
+        layout = getattr(w, "_layout_cls", None)
+        if layout is not None:
+            return self._quantized(w, layout, bias, device, dtype)
+        if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 2:
+            return None, f"its weight is a {type(w).__name__}, not a plain matrix"
+        if w.device != device:
+            return None, (f"its weight lives on {w.device}, not {device} (the model is partly offloaded: "
+                          "free VRAM or unload other models)")
+        if w.dtype != dtype:
+            return None, f"its weight is {w.dtype} and the step runs in {dtype} (ComfyUI casts it per call)"
+        return PlainLinear(w.detach(), bias=bias), None
+
+    def _quantized(self, w, layout: str, bias, device, dtype) -> tuple[PlainLinear | None, str | None]:
+        if layout != INT8_LAYOUT:
+            return None, f"its weight is {layout}, which the fast path does not read (int8_tensorwise only)"
+        q, params = getattr(w, "_qdata", None), getattr(w, "_params", None)
+        scale = getattr(params, "scale", None)
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.dim() != 2 or \
+                not isinstance(scale, torch.Tensor):
+            return None, "its int8 weight does not hold int8 rows and a scale tensor"
+        if getattr(params, "transposed", False) or tuple(getattr(params, "orig_shape", q.shape)) != tuple(q.shape):
+            return None, "its int8 weight is stored transposed"
+        if q.device != device or scale.device != device:
+            return None, (f"its weight lives on {q.device}, not {device} (the model is partly offloaded: "
+                          "free VRAM or unload other models)")
+        if scale.numel() not in (1, q.shape[0]) or q.stride(1) != 1:
+            return None, f"its int8 scale {tuple(scale.shape)} is neither per tensor nor per row"
+        if scale.dtype != torch.float32:
+            return None, f"its int8 scale is {scale.dtype}, not float32"
+        rotation = None
+        if getattr(params, "convrot", False):
+            group = int(getattr(params, "convrot_groupsize", 256))
+            try:
+                rotation = self.rotation(group, device, dtype)
+            except ValueError as exc:
+                return None, str(exc)
+            if q.shape[1] % group:
+                return None, f"its ConvRot group {group} does not divide the width {q.shape[1]}"
+        return PlainLinear(q, scale=scale.detach().reshape(-1), rotation=rotation, bias=bias), None
