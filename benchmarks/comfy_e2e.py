@@ -82,11 +82,12 @@ def _quantized_layer(name: str, t: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device) -> None:
-    """A decisive random checkpoint in the HF key layout ComfyUI loads, bf16 or int8_convrot."""
+def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: bool = True, seed: int = 0) -> None:
+    """A random checkpoint (decisive by default, see ``build_model``) in the HF key layout ComfyUI
+    loads, bf16 or int8_convrot."""
     from safetensors.torch import save_file
 
-    model = build_model(cfg, device, torch.bfloat16).model
+    model = build_model(cfg, device, torch.bfloat16, seed=seed, decisive=decisive).model
     sd = {}
     for name, t in model.state_dict().items():
         key = name if name.startswith("mtp.") or name == "lm_head.weight" else HF + name

@@ -65,7 +65,7 @@ def config_9b(tiny: bool = False) -> Qwen35Config:
 
 
 @torch.no_grad()
-def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0) -> Qwen35ForGeneration:
+def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0, decisive: bool = True) -> Qwen35ForGeneration:
     """Random weights in place on ``device``: small Linear weights, norms near their identity.
 
     The model is made *decisive* so that forced acceptance works: the embedding has unit-variance
@@ -75,6 +75,8 @@ def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0) -> Qwen35ForGen
     perturbation, so greedy decoding repeats the last token with a logit margin of thousands that
     no rounding difference between a 1-row and a 4-row forward can flip. Every weight is still
     random and read in full at every step, so the timing is that of any 9B-shaped model.
+    ``decisive=False``: every projection and ``lm_head`` random at the same scale (tests that need
+    answers sensitive to every weight).
     """
     torch.manual_seed(seed)
     model = Qwen35TextModel(cfg, device=device, dtype=dtype)
@@ -82,7 +84,7 @@ def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0) -> Qwen35ForGen
     for name, p in model.named_parameters():
         if name.endswith("embed_tokens.weight"):
             p.normal_(0.0, 1.0)
-        elif name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+        elif decisive and name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
             p.normal_(0.0, 2e-6)
         elif name.endswith("A_log"):
             p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(0.0, math.log(16.0)))
@@ -96,7 +98,7 @@ def build_model(cfg: Qwen35Config, device, dtype, seed: int = 0) -> Qwen35ForGen
             p.normal_(0.0, 0.3)
         else:
             p.normal_(0.0, 0.02)
-    if cfg.lm_head:
+    if cfg.lm_head and decisive:
         model.lm_head.weight.copy_(model.embed_tokens.weight)
     return Qwen35ForGeneration(model).eval()
 

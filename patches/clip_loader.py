@@ -9,6 +9,7 @@ second file) is built by the engine and grafted.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str
         if not any(k.startswith(mtp_graft.MTP_PREFIXES) for k in mtp_keys):
             raise mtp_graft.MTPHeadError(
                 f"{os.path.basename(mtp_path)} has no mtp.* tensors. Use a file holding the MTP head of "
-                "Qwen/Qwen3.5-9B (scripts/extract_mtp_head.py makes one from the original checkpoint), "
+                "Qwen/Qwen3.5-9B (pick 'download (Qwen/Qwen3.5-9B)', or make one with the pack's "
+                "tools/extract_mtp_head.py), "
                 f"or set mtp_head to '{NO_MTP_FILE}'.")
 
     model_options = {}
@@ -54,9 +56,14 @@ def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str
         import torch
 
         model_options["load_device"] = model_options["offload_device"] = torch.device("cpu")
+    resident = {}
+    if "disable_dynamic" in inspect.signature(comfy.sd.load_clip).parameters:
+        # A classic ModelPatcher (the whole model loaded on the GPU when it fits, partly otherwise),
+        # not DynamicVRAM's per-call streaming: the decode kernels read resident weights in place.
+        resident["disable_dynamic"] = True
     clip = comfy.sd.load_clip(ckpt_paths=[clip_path], embedding_directory=embedding_directory,
                               clip_type=getattr(comfy.sd.CLIPType, "QWEN_IMAGE", comfy.sd.CLIPType.STABLE_DIFFUSION),
-                              model_options=model_options)
+                              model_options=model_options, **resident)
     bridge.find_qwen35(clip)  # the loaded object must be what the engine binds to
     vision = any(k.startswith("model.visual.") for k in keys)
 
@@ -80,8 +87,8 @@ def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str
     if has_head:
         status = f"{name}: Qwen3.5 loaded, MTP head from {source} ({how}, {n / 1e6:.0f} M parameters)"
     else:
-        status = (f"{name}: Qwen3.5 loaded without an MTP head: MTP is off. Put the mtp.* tensors of "
-                  "Qwen/Qwen3.5-9B in models/text_encoders and pick them as mtp_head to speed up decoding.")
+        status = (f"{name}: Qwen3.5 loaded without an MTP head: MTP is off. Pick mtp_head 'download "
+                  "(Qwen/Qwen3.5-9B)' (about 0.5 GB, once) or a head file to speed up decoding.")
         log.warning("%s", status)
     bridge.set_clip_info(clip, vision=vision, mtp=has_head, source=name)
     log.info("%s", status)

@@ -69,7 +69,7 @@ def test_gemv_rejects():
         gemv_group(torch.randn(2, 16).half(), [w], up=torch.randn(3, 16).half())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_gpu_bf16_9b_shapes_and_graph(rows):
     """bf16 at the 9B shapes (grouped DeltaNet inputs, GLU down projection) against float64, and a

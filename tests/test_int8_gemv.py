@@ -116,7 +116,7 @@ def test_int8_rejects():
         hadamard_rotate(torch.randn(2, 20), hadamard(16))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_gpu_int8_bf16_9b_shapes_and_graph(rows):
     """bf16 activations at the 9B shapes, ConvRot 256, against ComfyUI's dequantization; a captured
