@@ -1,0 +1,119 @@
+"""The ComfyUI weight hook (``patches/comfy_weights.py``): which module weights the decode kernels read
+in place and why not, on comfy-kitchen's real ``QuantizedTensor``; and the residency step."""
+
+import sys
+import types
+
+import pytest
+import torch
+from qwen35_fast.kernels.convrot import hadamard
+from qwen35_fast.patches import comfy_weights
+from qwen35_fast.patches.comfy_weights import Resolver, make_resident
+
+ck = pytest.importorskip("comfy_kitchen.tensor", reason="comfy-kitchen (requirements-dev.txt): ComfyUI's int8 type")
+CPU, BF16 = torch.device("cpu"), torch.bfloat16
+
+
+def int8_linear(n=8, k=256, convrot=True, layout="TensorWiseINT8Layout"):
+    """A Linear as ComfyUI's MixedPrecisionOps leaves it: a Parameter-wrapped QuantizedTensor."""
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    params = ck.TensorWiseINT8Layout.Params(scale=torch.rand(n, 1), orig_dtype=BF16, orig_shape=(n, k),
+                                            convrot=convrot, convrot_groupsize=256)
+    mod = torch.nn.Linear(k, n, bias=False)
+    mod.weight = torch.nn.Parameter(ck.QuantizedTensor(q, layout, params), requires_grad=False)
+    mod.comfy_cast_weights = mod.comfy_force_cast_weights = True  # as ModelPatcher.load writes them
+    mod.weight_function, mod.bias_function = [], []
+    return mod, q
+
+
+def dense_linear(dtype=BF16):
+    mod = torch.nn.Linear(16, 4, bias=False).to(dtype)
+    mod.comfy_cast_weights = mod.comfy_force_cast_weights = True
+    mod.weight_function, mod.bias_function = [], []
+    return mod
+
+
+def test_int8_convrot_read_in_place():
+    mod, q = int8_linear()
+    plain, why = Resolver().linear(mod, CPU, BF16)
+    assert why is None and plain.quantized
+    assert plain.weight.data_ptr() == q.data_ptr()  # the module's own storage, no copy
+    assert plain.scale.shape == (8,) and plain.scale.dtype == torch.float32
+    assert torch.equal(plain.rotation, hadamard(256, dtype=BF16))
+    plain2, _ = Resolver().linear(int8_linear(convrot=False)[0], CPU, BF16)
+    assert plain2.rotation is None
+
+
+def test_dense_read_in_place_despite_the_flags():
+    mod = dense_linear()
+    plain, why = Resolver().linear(mod, CPU, BF16)
+    assert why is None and plain.weight.data_ptr() == mod.weight.data_ptr()
+    assert Resolver().module_call_reason(mod) == "ComfyUI casts its weights in the module call"
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("dynamic", "DynamicVRAM"), ("lora", "per-call weight patches"), ("lowvram", "lowvram weight patches"),
+    ("offloaded", "lives on meta"), ("dtype", "casts it per call"), ("fp8", "TensorCoreFP8Layout"),
+    ("bias", "its bias is torch.float32"),
+])
+def test_what_stays_on_the_module_path(case, expect):
+    mod = int8_linear(layout="TensorCoreFP8Layout")[0] if case == "fp8" else dense_linear()
+    if case == "dynamic":
+        mod._v = object()
+    elif case == "lora":
+        mod.weight_function = [lambda w: w]
+    elif case == "lowvram":
+        mod.weight_lowvram_function = object()
+    elif case == "offloaded":
+        mod.weight = torch.nn.Parameter(torch.empty(4, 16, dtype=BF16, device="meta"), requires_grad=False)
+    elif case == "dtype":
+        mod = dense_linear(torch.float16)
+    elif case == "bias":
+        mod.bias = torch.nn.Parameter(torch.zeros(4))
+    plain, why = Resolver().linear(mod, CPU, BF16)
+    assert plain is None and expect in why, why
+
+
+class FakePatcher:
+    def __init__(self, loaded, total, dynamic=False):
+        self.loaded, self.total, self.dynamic, self.load_device = loaded, total, dynamic, torch.device("cuda")
+
+    def is_dynamic(self):
+        return self.dynamic
+
+    def loaded_size(self):
+        return self.loaded
+
+    def model_size(self):
+        return self.total
+
+
+@pytest.fixture
+def fake_mm(monkeypatch):
+    """A stand-in for ``comfy.model_management`` recording ``load_models_gpu`` calls."""
+    mm = types.SimpleNamespace(calls=[], free=0)
+    mm.is_device_cpu = lambda d: torch.device(d).type == "cpu"
+    mm.get_free_memory = lambda d: mm.free
+    mm.load_models_gpu = lambda models, **kw: mm.calls.append((models, kw))
+    comfy = types.ModuleType("comfy")
+    comfy.model_management = mm
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    return mm
+
+
+def test_make_resident(fake_mm, caplog):
+    gb = 2**30
+    assert make_resident(None) is None
+    assert make_resident(FakePatcher(9 * gb, 9 * gb)) is None and not fake_mm.calls  # already resident
+    fake_mm.free = 8 * gb
+    partly = FakePatcher(3 * gb, 9 * gb)
+    assert make_resident(partly) is None
+    assert fake_mm.calls == [([partly], {"force_full_load": True})]  # ComfyUI's own full load
+    fake_mm.free, fake_mm.calls = 2 * gb, []
+    why = make_resident(FakePatcher(3 * gb, 9 * gb))
+    assert not fake_mm.calls and "only 3.0 of 9.0 GB" in why
+    why = make_resident(FakePatcher(0, 9 * gb, dynamic=True))
+    assert "DynamicVRAM" in why and "--disable-dynamic-vram" in why and "Load Qwen3.5 CLIP (MTP)" in why
+    assert not fake_mm.calls
+    assert comfy_weights.per_call_work(dense_linear()) is None
