@@ -94,15 +94,17 @@ class FusedPlan:
     layers the conv weight ``[C,K]`` and gated-norm weight; for attention layers the q/k norm
     weights; the same for the MTP head. ``linears``: the projections read in place
     (``id(module) -> PlainLinear``, see ``engine/plain_weights.py``); ``unresolved``: the others
-    (``name -> why``), which run through their module's own call; ``output``: the output projection's
-    record, or None."""
+    (``name -> why``; ``unresolved_modules``: ``name -> module``), which run through their module's
+    own call; ``output``: the output projection's record, or None."""
 
     def __init__(self, ops, norms: dict, convs: dict, mlps: dict, eps: float, linears: dict | None = None,
-                 unresolved: dict | None = None, output=None, formats: dict | None = None):
+                 unresolved: dict | None = None, output=None, formats: dict | None = None,
+                 unresolved_modules: dict | None = None):
         self.ops, self.step = ops
         self.norms, self.convs, self.mlps, self.eps = norms, convs, mlps, eps
         self.linears = linears or {}
         self.unresolved = unresolved or {}
+        self.unresolved_modules = unresolved_modules or {}  # name -> the module called instead
         self.output = output
         self.formats = formats or {}  # "int8" / dtype name -> count of resolved projections
 
@@ -161,11 +163,11 @@ class FusedPlan:
             return None, str(exc)
         if len(eps) != 1:
             return None, f"the norms use different eps values {sorted(eps)}"
-        linears, unresolved, formats, output = {}, {}, {}, None
+        linears, unresolved, modules, formats, output = {}, {}, {}, {}, None
         for name, mod in _projections(binding):
             plain, why = weights.linear(mod, device, dtype)
             if plain is None:
-                unresolved[name] = why
+                unresolved[name], modules[name] = why, mod
                 continue
             linears[id(mod)] = plain
             kind = "int8" + ("+ConvRot" if plain.rotation is not None else "") if plain.quantized \
@@ -173,7 +175,7 @@ class FusedPlan:
             formats[kind] = formats.get(kind, 0) + 1
             if mod is binding.output_module:
                 output = plain
-        return cls(ops, norms, convs, mlps, eps.pop(), linears, unresolved, output, formats), None
+        return cls(ops, norms, convs, mlps, eps.pop(), linears, unresolved, output, formats, modules), None
 
     def describe(self) -> str:
         """One line: how many projections are read in place (by format) and which are not, and why."""

@@ -27,11 +27,11 @@ def _modules(binding):
 
 
 def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: str, plan=None) -> str | None:
-    """None when decode steps can be captured, else the reason (one line). With a fused ``plan``
-    that read every projection in place, a step calls no module (norms, convs and projections are
-    plain tensors read by the kernels), so only those tensors must stay put, and they are on the
-    device by construction; otherwise every module the step calls must be safe to capture (the
-    binding's weight hook says) and every weight on the device."""
+    """None when decode steps can be captured, else the reason (one line). With a fused ``plan``, a
+    step calls no module but the projections the plan did not read in place (norms, convs and the
+    resolved projections are tensors on the device, read by the kernels): those modules must be
+    safe to capture (the binding's weight hook says) with their weights on the device. Without a
+    plan, the same holds for every module of the model."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (running on {device.type})"
     dev = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
@@ -42,10 +42,11 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     if not ATTENTION_BACKENDS[attention].graph_safe:
         return f"the '{attention}' attention backend syncs with the host"
     if plan is not None:
-        if not plan.unresolved:
-            return None
-        name, why = next(iter(plan.unresolved.items()))
-        return f"{name} runs through its module call ({why})"
+        for name, mod in plan.unresolved_modules.items():
+            why = binding.weights.module_call_reason(mod) or _off_device(mod, dev)
+            if why is not None:
+                return f"{name} runs through its module call ({plan.unresolved[name]}; {why})"
+        return None
     for root in _modules(binding):
         for name, mod in root.named_modules():
             why = binding.weights.module_call_reason(mod)
@@ -54,6 +55,13 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
         for name, p in list(root.named_parameters()) + list(root.named_buffers()):
             if p.device != dev:
                 return f"weight {name} lives on {p.device}, not {dev} (partially loaded model)"
+    return None
+
+
+def _off_device(module, dev: torch.device) -> str | None:
+    for name, p in module.named_parameters():
+        if p.device != dev:
+            return f"its {name} lives on {p.device}, not {dev}"
     return None
 
 

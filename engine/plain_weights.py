@@ -10,7 +10,7 @@ the same storage the module holds (never a copy), in one of two formats:
   rotated with; x is rotated once per input, then the weight-only int8 GEMV runs).
 
 Who knows a module's storage (ComfyUI's ops, quantized tensors, offloading) builds these records:
-``resolve_standalone`` for the engine's own modules, ``patches/comfy_weights.py`` for ComfyUI's.
+``StandaloneWeights`` for the engine's own modules, ``patches/comfy_weights.py`` for ComfyUI's.
 """
 
 from __future__ import annotations
@@ -34,11 +34,6 @@ class PlainLinear:
     @property
     def quantized(self) -> bool:
         return self.weight.dtype == torch.int8
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes one product reads (weight, scale, bias)."""
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None)
 
 
 def _kernels():

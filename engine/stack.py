@@ -58,13 +58,14 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     plan = fused_plan(fused, binding, device, dtype)
     binding.plain_output = None if plan is None else plan.output
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
-    blocker = "off" if not cuda_graphs else graph_blocker(binding, torch.device(device), dtype, attention, plan)
-    if blocker not in (None, "off"):
+    blocker = graph_blocker(binding, torch.device(device), dtype, attention, plan) if cuda_graphs else None
+    if blocker is not None:
         if cuda_graphs is True:
             raise Qwen35Error(f"cuda_graphs=True but {blocker}; use cuda_graphs='auto' or False")
         if torch.device(device).type == "cuda":
             say_once(log, f"Qwen3.5 decode runs without CUDA graphs: {blocker}")
+    graphs = bool(cuda_graphs) and blocker is None
     if plan is not None:
         log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s", plan.describe(),
-                 "on" if blocker is None else "off" if blocker == "off" else f"off ({blocker})")
-    return GraphRunner(runner) if blocker is None else runner
+                 "on" if graphs else "off" if blocker is None else f"off ({blocker})")
+    return GraphRunner(runner) if graphs else runner

@@ -132,7 +132,7 @@ class Resolver:
             return None, (f"its weight lives on {w.device}, not {device} (the model is partly offloaded: "
                           "free VRAM or unload other models)")
         if w.dtype != dtype:
-            return None, f"its weight is {w.dtype} and the step runs in {dtype} (ComfyUI casts it per call)"
+            return None, f"its weight is {w.dtype} and the step runs in {dtype} (cast per call)"
         return PlainLinear(w.detach(), bias=bias), None
 
     def _quantized(self, w, layout: str, bias, device, dtype) -> tuple[PlainLinear | None, str | None]:

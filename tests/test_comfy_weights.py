@@ -53,7 +53,7 @@ def test_dense_read_in_place_despite_the_flags():
 
 @pytest.mark.parametrize("case, expect", [
     ("dynamic", "DynamicVRAM"), ("lora", "per-call weight patches"), ("lowvram", "lowvram weight patches"),
-    ("offloaded", "lives on meta"), ("dtype", "casts it per call"), ("fp8", "TensorCoreFP8Layout"),
+    ("offloaded", "lives on meta"), ("dtype", "cast per call"), ("fp8", "TensorCoreFP8Layout"),
     ("bias", "its bias is torch.float32"),
 ])
 def test_what_stays_on_the_module_path(case, expect):
