@@ -230,16 +230,20 @@ def _example_png(comfy: Path, dest: Path) -> None:
                      + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
 
 
-def _stand_in_system_prompts(models: Path) -> None:
-    """The enhancer's official system prompts are fetched from the Hub on first use; the server test runs
-    offline, so stand-ins are put where the fetch would write them."""
+def _prompt_hub():
+    """The enhancer's official system prompts are fetched from the Hub on first use: a real local
+    Hub-protocol server (``tests/hub_server.py``) serves stand-in prompts under the official repo
+    names, and the ComfyUI process reaches it through ``HF_ENDPOINT`` (the real client)."""
     from qwen35_fast.patches import model_fetch
 
-    for preset in model_fetch.PROMPT_REPOS:
-        path = Path(model_fetch.prompt_path(preset, str(models)))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("You rewrite the user's image prompt. Think first, then answer with JSON "
-                        '{"rewritten_prompt": "...", "wh_ratio": "16:9"}.\n', encoding="utf-8")
+    from tests.hub_server import FakeHub
+
+    hub = FakeHub()
+    for repo in model_fetch.PROMPT_REPOS.values():
+        hub.add_repo(repo, {model_fetch.PROMPT_FILE: (
+            "You rewrite the user's image prompt. Think first, then answer with JSON "
+            '{"rewritten_prompt": "...", "wh_ratio": "16:9"}.\n').encode()})
+    return hub.start()
 
 
 def _free_port() -> int:
@@ -301,15 +305,18 @@ def server(tmp_path_factory):
     (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(ROOT)
     (base / "input").mkdir()
     _example_png(comfy, base / "input" / "example.png")
-    _stand_in_system_prompts(base / "models")
+    hub = _prompt_hub()
+    env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(base / "hf"))
+    env.pop("HF_HUB_OFFLINE", None)
     port = _free_port()
     log = open(base / "comfyui.log", "w")
     proc = subprocess.Popen(
         [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
          "--base-directory", str(base), "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_DIR_NAME,
          "--database-url", "sqlite:///:memory:"],
-        cwd=comfy, stdout=log, stderr=subprocess.STDOUT)
+        cwd=comfy, stdout=log, stderr=subprocess.STDOUT, env=env)
     srv = Server(f"http://127.0.0.1:{port}")
+    srv.hub = hub
     srv.log_path = base / "comfyui.log"
     try:
         end = time.time() + 180
@@ -331,6 +338,7 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        hub.stop()
 
 
 def _api(name):
@@ -407,6 +415,14 @@ def test_every_api_workflow_runs(server):
                 assert shown[0] == node["inputs"]["prompt"], (path.name, shown)
             if 1 in shown:
                 assert shown[1].strip(), f"{path.name}: no thinking text"
+    # the workflows ask for the official system prompts: fetched once from the (local) Hub
+    from qwen35_fast.patches import model_fetch
+
+    enhanced = {n["inputs"]["preset"] for p in API_DIR.glob("*.json") for n in _api(p.name).values()
+                if n["class_type"] == "Qwen35FastPromptEnhancer" and n["inputs"].get("system_prompt") == "official"}
+    assert enhanced
+    for preset in enhanced:
+        assert server.hub.bytes_of(model_fetch.PROMPT_REPOS[preset], model_fetch.PROMPT_FILE) > 0, preset
     print(json.dumps(results, indent=1, ensure_ascii=False)[:3000])
 
 
