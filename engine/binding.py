@@ -18,14 +18,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..kernels import MAX_DECODE_ROWS
 from .config import Qwen35Config
 from .errors import Qwen35Error
 from .plain_weights import PlainLinear, StandaloneWeights, linear_rows
 
 #: ``weight_cast(module, h)`` -> context manager yielding the cast weight, or None (see ``bind``).
 WeightCast = Callable[[Any, torch.Tensor], AbstractContextManager]
-#: Most rows the plain output projection serves (decode, draft and verify rows; the GEMV's limit).
-MAX_PLAIN_ROWS = 16
 
 _LINEAR_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "dt_bias", "A_log", "norm",
                  "out_proj")
@@ -104,7 +103,7 @@ class Qwen35Binding:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]``."""
         plain = self.plain_output
-        if plain is not None and h.shape[0] * h.shape[1] <= MAX_PLAIN_ROWS and h.device == plain.weight.device \
+        if plain is not None and h.shape[0] * h.shape[1] <= MAX_DECODE_ROWS and h.device == plain.weight.device \
                 and (plain.quantized or h.dtype == plain.weight.dtype):
             return linear_rows(h, plain).float()
         head = getattr(self.transformer, "lm_head", None)

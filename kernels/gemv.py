@@ -26,10 +26,10 @@ import triton.language as tl
 from .capabilities import triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 
-__all__ = ["MAX_GROUP", "MAX_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_rotate",
+__all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_rotate",
            "hadamard_rotate_torch"]
 
-MAX_ROWS = 16
+MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
 
 
@@ -122,8 +122,8 @@ def gemv_reason(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = N
     if w.dim() != 2 or w.stride(1) != 1:
         return "weight is not a row-major matrix"
     rows = x.numel() // max(1, x.shape[-1])
-    if x.shape[-1] != w.shape[1] or rows > MAX_ROWS or rows < 1:
-        return f"x {tuple(x.shape)} does not give 1..{MAX_ROWS} rows of width {w.shape[1]}"
+    if x.shape[-1] != w.shape[1] or rows > MAX_GEMV_ROWS or rows < 1:
+        return f"x {tuple(x.shape)} does not give 1..{MAX_GEMV_ROWS} rows of width {w.shape[1]}"
     if x.device != w.device:
         return "x and the weight are on different devices"
     return None
