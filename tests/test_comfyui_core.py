@@ -15,15 +15,14 @@ Cancel mid-generation, then the next prompt runs.
 from __future__ import annotations
 
 import gc
-import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import test_comfyui_integration as files
+from tests.oracles.comfy_tree import import_comfyui, int8_convrot
 
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.comfyui,
@@ -41,45 +40,14 @@ INT8_CONF = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 
 
 @pytest.fixture(scope="module")
 def comfy():
-    loaded = sys.modules.get("comfy")
-    where = [str(Path(x).resolve()) for x in getattr(loaded, "__path__", None) or [getattr(loaded, "__file__", "")]]
-    if loaded is not None and not any(w.startswith(str(Path(COMFY).resolve())) for w in where):
-        pytest.skip("another 'comfy' package (the test stub) is already imported: run this file on its own")
-    sys.path.insert(0, COMFY)
-    try:
-        import comfy.cli_args
-
-        if not torch.cuda.is_available():
-            comfy.cli_args.args.cpu = True
-        import comfy.model_management
-        import comfy.sd
-    except ImportError as exc:
-        pytest.skip(f"ComfyUI at {COMFY} cannot be imported here ({exc}); use ComfyUI's Python")
-    return comfy
-
-
-def _quantize_int8_convrot(tensors: dict) -> dict:
-    """Every Linear weight (2-D, not the embedding) as ComfyUI's save path writes int8_convrot."""
-    from comfy_kitchen.tensor import QuantizedTensor
-
-    out = {}
-    marker = torch.tensor(list(json.dumps(INT8_CONF).encode("utf-8")), dtype=torch.uint8)
-    for key, w in tensors.items():
-        if key.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in key:
-            qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True,
-                                            convrot=True, convrot_groupsize=INT8_CONF["convrot_groupsize"])
-            out.update(qt.state_dict(key))  # "<layer>.weight" int8 and "<layer>.weight_scale" float32
-            out[key[: -len("weight")] + "comfy_quant"] = marker.clone()
-        else:
-            out[key] = w
-    return out
+    return import_comfyui(COMFY)
 
 
 def _tensors(kind: str) -> dict:
     t = files._text_tensors(torch, 1)
     if kind.endswith("_mtp"):
         t.update(files._mtp_tensors(torch, 5))
-    return _quantize_int8_convrot(t) if kind.startswith("int8") else t
+    return int8_convrot(t, INT8_CONF["convrot_groupsize"]) if kind.startswith("int8") else t
 
 
 KINDS = ("bf16", "bf16_mtp", "int8", "int8_mtp")

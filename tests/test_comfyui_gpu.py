@@ -17,11 +17,12 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.oracles.comfy_tree import import_comfyui
 
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
@@ -33,14 +34,7 @@ GREEDY = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, r
 
 @pytest.fixture(scope="module")
 def comfy():
-    sys.path.insert(0, COMFY)
-    try:
-        import comfy.model_management
-        import comfy.sd
-        import comfy.utils
-    except ImportError as exc:
-        pytest.skip(f"ComfyUI at {COMFY} cannot be imported here ({exc})")
-    return comfy
+    return import_comfyui(COMFY)
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,14 @@ top-k is off.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from qwen35_fast.engine import bind, build_mtp_head, generate
 from qwen35_fast.patches.comfy_bridge import WEIGHTS, comfy_weight_cast
 
+from tests.oracles.comfy_tree import import_comfyui, int8_convrot
 from tests.oracles.tiny import add_mtp, make_tiny, to_layout
 
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
@@ -32,21 +30,8 @@ BIND = dict(weight_cast=comfy_weight_cast, weights=WEIGHTS)
 
 @pytest.fixture(scope="module")
 def comfy():
-    loaded = sys.modules.get("comfy")
-    where = [str(Path(x).resolve()) for x in getattr(loaded, "__path__", None) or [getattr(loaded, "__file__", "")]]
-    if loaded is not None and not any(w.startswith(str(Path(COMFY).resolve())) for w in where):
-        pytest.skip("another 'comfy' package (the test stub) is already imported: run this file on its own")
-    sys.path.insert(0, COMFY)
-    try:
-        import comfy.cli_args
-
-        if not torch.cuda.is_available():
-            comfy.cli_args.args.cpu = True
-        import comfy.ops
-        import comfy.text_encoders.qwen35 as qwen35
-    except ImportError as exc:
-        pytest.skip(f"ComfyUI at {COMFY} cannot be imported here ({exc}); use ComfyUI's Python")
-    return comfy.ops, qwen35
+    c = import_comfyui(COMFY)
+    return c.ops, c.text_encoders.qwen35
 
 
 def _comfy_model(comfy, sd, d, ops=None, layout=None):
@@ -109,27 +94,6 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
 
 
-def _int8_convrot(sd: dict, group: int = 16) -> dict:
-    """ComfyUI's int8_tensorwise + ConvRot layout (as its save path writes it: int8 ``weight``, float32
-    ``weight_scale`` per row, a ``comfy_quant`` JSON entry) for every projection of the decoder layers
-    and lm_head, quantized by comfy-kitchen's own quantizer."""
-    from comfy_kitchen.tensor import TensorWiseINT8Layout
-
-    conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise", "convrot": True,
-                                         "convrot_groupsize": group}).encode()), dtype=torch.uint8)
-    out = {}
-    for key, t in sd.items():
-        if t.dim() == 2 and "embed_tokens" not in key and "mtp." not in key:  # every Linear of the text model
-            q, params = TensorWiseINT8Layout.quantize(t, is_weight=True, per_channel=True, convrot=True,
-                                                      convrot_groupsize=group)
-            layer = key[:-len(".weight")]
-            out.update({key: q, f"{layer}.weight_scale": params.scale.float().reshape(-1, 1),
-                        f"{layer}.comfy_quant": conf})
-        else:
-            out[key] = t
-    return out
-
-
 @pytest.mark.parametrize("fmt", ["float", "int8_convrot"])
 def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt):
     """ComfyUI's own modules as its loader leaves them (``manual_cast`` ops, or ``MixedPrecisionOps``
@@ -143,7 +107,7 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt):
     ops, _ = comfy
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
     sd, d = make_tiny(seed, strength=0.5)
-    layout = None if fmt == "float" else _int8_convrot
+    layout = None if fmt == "float" else (lambda sd: int8_convrot(sd, group=16))
     model = _comfy_model(comfy, sd, d, ops=ops.manual_cast if layout is None else ops.mixed_precision_ops(
         {}, torch.float32), layout=layout)
     for m in model.modules():  # the flags ModelPatcher.load writes on a CLIP's modules (say "may cast")

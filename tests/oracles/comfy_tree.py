@@ -1,0 +1,54 @@
+"""A real ComfyUI tree in this process, and checkpoints in its int8_convrot format (test helpers)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def import_comfyui(tree: str):
+    """Import ComfyUI from ``tree`` (CPU mode where there is no CUDA) and return its ``comfy`` package
+    with ``ops``, ``sd``, ``model_management``, ``utils`` and ``text_encoders.qwen35`` loaded; skips
+    when another ``comfy`` (the test stub) is already imported or the tree does not import here."""
+    loaded = sys.modules.get("comfy")
+    where = [str(Path(x).resolve()) for x in getattr(loaded, "__path__", None) or [getattr(loaded, "__file__", "")]]
+    if loaded is not None and not any(w.startswith(str(Path(tree).resolve())) for w in where):
+        pytest.skip("another 'comfy' package (the test stub) is already imported: run this file on its own")
+    sys.path.insert(0, tree)
+    try:
+        import comfy.cli_args
+
+        if not torch.cuda.is_available():
+            comfy.cli_args.args.cpu = True
+        import comfy.model_management
+        import comfy.ops
+        import comfy.sd
+        import comfy.text_encoders.qwen35
+        import comfy.utils
+    except ImportError as exc:
+        pytest.skip(f"ComfyUI at {tree} cannot be imported here ({exc}); use ComfyUI's Python")
+    return comfy
+
+
+def int8_convrot(tensors: dict, group: int = 256) -> dict:
+    """Every Linear weight (2-D, not the embedding) as ComfyUI's save path writes int8_tensorwise +
+    ConvRot: int8 ``<layer>.weight``, float32 per-row ``<layer>.weight_scale`` and a
+    ``<layer>.comfy_quant`` JSON tensor, quantized by comfy-kitchen."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
+    marker = torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
+    out = {}
+    for key, w in tensors.items():
+        if key.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in key:
+            qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True,
+                                            convrot=True, convrot_groupsize=group)
+            out.update(qt.state_dict(key))  # "<layer>.weight" int8 and "<layer>.weight_scale" float32
+            out[key[: -len("weight")] + "comfy_quant"] = marker.clone()
+        else:
+            out[key] = w
+    return out
