@@ -23,13 +23,14 @@ import logging
 
 import torch
 
-from ..engine.plain_weights import PlainLinear
+from ..engine.plain_weights import PlainLinear, StandaloneWeights
 from ..kernels import say_once
 from ..kernels.convrot import hadamard
 
 log = logging.getLogger(__name__)
 
 INT8_LAYOUT = "TensorWiseINT8Layout"
+_STANDALONE = StandaloneWeights()
 
 
 def per_call_work(module) -> str | None:
@@ -107,7 +108,10 @@ class Resolver:
 
     def norm_scale(self, module, dtype: torch.dtype) -> torch.Tensor:
         """ComfyUI's ``RMSNorm`` multiplies by ``(w + 1)`` computed in the weight's dtype and cast to
-        the input's dtype (``add=False``: ``w`` cast the same way); returned as float32."""
+        the input's dtype (``add=False``: ``w`` cast the same way); returned as float32. A module the
+        engine built (a grafted MTP head) rounds as the engine's own norm does."""
+        if type(module).__module__.split(".")[0] != "comfy":
+            return _STANDALONE.norm_scale(module, dtype)
         w = module.weight.detach()
         return (w + 1.0 if module.add else w).to(dtype).float()
 

@@ -117,3 +117,19 @@ def test_make_resident(fake_mm, caplog):
     assert "DynamicVRAM" in why and "--disable-dynamic-vram" in why and "Load Qwen3.5 CLIP (MTP)" in why
     assert not fake_mm.calls
     assert comfy_weights.per_call_work(dense_linear()) is None
+
+
+def test_norm_scale_rounds_as_each_norm_class_does():
+    """ComfyUI's RMSNorm rounds (1 + w) in the weight's dtype; a norm the engine built (a grafted MTP
+    head) in float32, as its own forward does."""
+    from qwen35_fast.engine.modules import RMSNorm
+
+    w = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 0.05
+    engine = RMSNorm(64, add=True)
+    engine.weight.data = w.to(BF16)
+    comfy_norm = type("RMSNorm", (RMSNorm,), {"__module__": "comfy.ldm.common_dit"})(64, add=True)
+    comfy_norm.weight.data = w.to(BF16)
+    exact = w.to(BF16).float() + 1.0
+    assert torch.equal(Resolver().norm_scale(engine, BF16), exact)
+    assert torch.equal(Resolver().norm_scale(comfy_norm, BF16), (w.to(BF16) + 1.0).float())
+    assert not torch.equal(Resolver().norm_scale(comfy_norm, BF16), exact)  # bf16 rounding of 1 + w
