@@ -135,7 +135,8 @@ class _Enough(Exception):
 
 class TokenClock:
     """Wraps ComfyUI's ``ProgressBar.update_absolute`` (this process only): records when each token
-    is reported and stops the generation after ``limit`` tokens (core's loop has no other exit)."""
+    is reported and stops the generation after ``limit`` tokens (core's loop has no other exit).
+    ``tick`` does the same for a generation that reports through an engine callback instead."""
 
     def __init__(self, comfy_utils):
         self.utils = comfy_utils
@@ -144,12 +145,16 @@ class TokenClock:
         clock = self
 
         def update_absolute(bar, value, total=None, preview=None):
-            clock.times.append((value, time.perf_counter()))
             clock.original(bar, value, total, preview)
-            if value >= clock.limit:
-                raise _Enough
+            clock.tick(value)
 
         comfy_utils.ProgressBar.update_absolute = update_absolute
+
+    def tick(self, value: int) -> None:
+        """``value`` tokens are out now; stop the generation at the limit."""
+        self.times.append((value, time.perf_counter()))
+        if value >= self.limit:
+            raise _Enough
 
     def run(self, fn, limit: int, skip: int = 8) -> float:
         """Call ``fn`` until ``limit`` tokens were reported; decode tok/s from token ``skip`` on (the
@@ -263,34 +268,25 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         from qwen35_fast.engine import load_standalone
 
         model = load_standalone(str(path), device=comfy.model_management.get_torch_device(), dtype=torch.bfloat16)
-        emb = embeds_like(model, embeds_shape=args.prompt)
+        emb = embeds_like(model, args.prompt)
         for max_length in args.max_lengths[:1]:
             reset_peak()
-            marks = []
 
-            def cb(all_tokens, new, stats, marks=marks):
-                marks.append((len(all_tokens), time.perf_counter()))
-                if len(all_tokens) >= args.tokens:
-                    raise _Enough
+            def standalone(m=max_length):
+                generate(model, emb, do_sample=False, max_length=m, stop_tokens=[], mtp="off",
+                         callback=lambda all_tokens, new, stats: clock.tick(len(all_tokens)))
 
-            for _ in range(2):  # a warm-up (kernels compiled for this model), then the timed run
-                marks.clear()
-                try:
-                    generate(model, emb, do_sample=False, max_length=max_length, stop_tokens=[], mtp="off",
-                             callback=cb)
-                except _Enough:
-                    pass
-            (v0, t0), (v1, t1) = next((m for m in marks if m[0] >= 8), marks[0]), marks[-1]
-            row("standalone", max_length, (v1 - v0) / (t1 - t0))
+            clock.run(standalone, args.tokens)  # a warm-up: kernels compiled for this model
+            row("standalone", max_length, clock.run(standalone, args.tokens))
         del model
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
 
 
-def embeds_like(model, embeds_shape: int):
-    """A prompt of ``embeds_shape`` token embeddings for the standalone model."""
-    ids = torch.arange(embeds_shape, device=model.model.embed_tokens.weight.device) % 5000 + 1000
+def embeds_like(model, n: int):
+    """A prompt of ``n`` token embeddings ``[1, n, H]`` (bf16) for the standalone model."""
+    ids = torch.arange(n, device=model.model.embed_tokens.weight.device) % 5000 + 1000
     return model.model.embed_tokens(ids)[None].to(torch.bfloat16)
 
 

@@ -24,6 +24,7 @@ load_pack()
 from qwen35_fast.kernels.gemv import _config, gemv  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+from benchmarks.timing import graph_replay_us  # noqa: E402
 
 # (name, N, K, uses per decode step of the 9B model)
 SHAPES = [("deltanet qkv", 8192, 4096, 24), ("deltanet z / out, attn o", 4096, 4096, 56),
@@ -33,25 +34,14 @@ CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (
            (64, 128, 8, 4), (128, 128, 8, 3)]
 
 
-def timed(fn, weights, x, reps: int = 30) -> float:
-    """Median microseconds per call of fn(x, w) over the weight copies, in one graph."""
+def timed(fn, weights, x) -> float:
+    """Median microseconds per call of fn(x, w) over the weight copies, in one graph (the shared
+    ``benchmarks.timing.graph_replay_us``)."""
     def chain():
         for w in weights:
             fn(x, w)
 
-    chain()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e) * 1e3 / len(weights))
-    return sorted(out)[reps // 2]
+    return graph_replay_us(chain, calls=len(weights))
 
 
 def main() -> None:
