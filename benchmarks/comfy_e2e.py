@@ -175,6 +175,10 @@ class TokenClock:
 def setup_comfyui(tree: str, dynamic: bool):
     """Import ComfyUI from ``tree`` in process (as main.py configures it, without its server)."""
     sys.path.insert(0, tree)
+    if dynamic:  # as main.py: comfy-aimdo is initialised before any comfy module binds its library
+        import comfy_aimdo.control
+
+        comfy_aimdo.control.init()
     import comfy.cli_args
 
     if not torch.cuda.is_available():
@@ -183,9 +187,7 @@ def setup_comfyui(tree: str, dynamic: bool):
         import comfy.memory_management
         import comfy.model_management
         import comfy.model_patcher
-        import comfy_aimdo.control
 
-        comfy_aimdo.control.init()
         ok = comfy_aimdo.control.init_devices(d.index for d in comfy.model_management.get_all_torch_devices())
         if not ok:
             raise RuntimeError("comfy-aimdo did not initialise: no DynamicVRAM here")

@@ -1,9 +1,19 @@
-"""Weight-only INT8 decode-row products at the Qwen3.5-9B shapes (GPU): the Triton int8 ``gemv``
-per launch config against bf16 cuBLAS and bf16 Triton, plus the ConvRot activation rotation.
+"""Decode-row products at the Qwen3.5-9B shapes (GPU), launch by launch as the fused plan runs
+them (``engine/fused.py``): the projections that share an input as one group; the down projection
+takes ``silu_mul``'s output.
 
-Timed like ``benchmarks/gemv.py``: one graph chains launches over enough distinct weight copies
-(>= 256 MB) that nothing is served from L2; medians of replays; floor = weight bytes / measured
-copy bandwidth (int8: N*K bytes + the scales).
+Per group and row count:
+
+- ``bf16``: the bf16 weights through cuBLAS (``F.linear`` per weight, ``silu_mul`` first for down);
+- ``bf16_triton``: the same weights through one ``gemv_group`` launch, per launch config;
+- ``int8``: ConvRot int8 weights: the rotation launch (``hadamard_rotate``, after ``silu_mul`` for
+  down) and one ``gemv_group`` launch, per launch config.
+
+``*`` marks the config ``kernels.gemv._config`` picks. Timed like ``benchmarks/gemv.py``: one graph
+chains launches over enough distinct weight copies (>= 256 MB) that nothing is served from L2;
+medians of replays; floor = int8 weight bytes (N*K + the scales) / measured copy bandwidth, the
+bf16 floor twice that. ``rel_err``: the int8 product against float64 from ComfyUI's own
+dequantization input (the rotated x rounded once, int8 times the scale).
 
 Usage: python benchmarks/int8_gemv.py [--rows 1 4] [--json out.json]
 """
@@ -17,18 +27,51 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _standalone import load_pack  # noqa: E402
 
 load_pack()
-from qwen35_fast.kernels.gemv import _config, gemv, hadamard, hadamard_rotate  # noqa: E402
+from qwen35_fast.kernels.fused_ops import silu_mul  # noqa: E402
+from qwen35_fast.kernels.gemv import _config, gemv_group, hadamard, hadamard_rotate  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
-from benchmarks.gemv import SHAPES, timed  # noqa: E402
+from benchmarks.timing import graph_replay_us  # noqa: E402
 
-CONFIGS = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (64, 512, 8, 3), (32, 128, 4, 6),
-           (128, 256, 8, 3)]
+#: (name, output widths of the group, K, launches per 9B decode step, silu_mul in front)
+GROUPS = [("deltanet in (qkv z a b)", [8192, 4096, 32, 32], 4096, 24, False),
+          ("deltanet out", [4096], 4096, 24, False),
+          ("attn in (q k v)", [8192, 1024, 1024], 4096, 8, False),
+          ("attn o", [4096], 4096, 8, False),
+          ("mlp gate up", [12288, 12288], 4096, 32, False),
+          ("mlp down", [4096], 12288, 32, True),
+          ("lm_head", [248320], 4096, 1, False)]
+#: (BLOCK_N, BLOCK_K, warps, stages)
+CONFIGS = [(32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (32, 128, 4, 5), (16, 256, 4, 4), (64, 128, 4, 6),
+           (128, 128, 8, 4)]
+GROUP = 256
+
+
+def chain_us(fn, sets) -> float:
+    """Median microseconds of ``fn(weights)`` per weight set, all sets chained in one graph."""
+    def chain():
+        for ws in sets:
+            fn(ws)
+
+    return graph_replay_us(chain, calls=len(sets))
+
+
+def sweep(fn, picked, sets) -> dict:
+    """``{config: us}`` for the picked config (key marked ``*``) and ``CONFIGS`` (a config the GPU
+    cannot launch, out of shared memory, is left out)."""
+    out = {}
+    for cfg in [picked] + [c for c in CONFIGS if c != picked]:
+        try:
+            out[str(cfg) + ("*" if cfg == picked else "")] = chain_us(lambda ws, cfg=cfg: fn(ws, cfg), sets)
+        except triton.runtime.errors.OutOfResources:
+            torch.cuda.synchronize()
+    return out
 
 
 def main() -> None:
@@ -37,41 +80,59 @@ def main() -> None:
     ap.add_argument("--json", default="int8_gemv.json")
     args = ap.parse_args()
     bw = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    h = hadamard(GROUP, device="cuda", dtype=torch.bfloat16)
     results = []
-    h = hadamard(256, device="cuda")
     for rows in args.rows:
-        step = {"floor": 0.0, "bf16_cublas": 0.0, "int8_tuned": 0.0, "int8_best": 0.0, "rotate": 0.0}
-        for name, n, k, uses in SHAPES:
-            nbytes = n * k + 4 * n
+        step = {"floor": 0.0, "bf16": 0.0, "bf16_triton_picked": 0.0, "bf16_triton_best": 0.0, "int8_picked": 0.0,
+                "int8_best": 0.0}
+        for name, ns, k, uses, glu in GROUPS:
+            nbytes = sum(n * k + 4 * n for n in ns)
             copies = max(2, -(-(256 << 20) // nbytes))
-            qs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(copies)]
-            scale = torch.rand(n, 1, device="cuda") * 1e-3
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            ref = x.double() @ (qs[0].double() * scale.double()).T
-            err = ((gemv(x, qs[0], scale).double() - ref).norm() / ref.norm()).item()
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            sets = [[torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen) for n in ns]
+                    for _ in range(copies)]
+            scales = [torch.rand(n, device="cuda", generator=gen) * 1e-3 for n in ns]
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            u = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+            def act():
+                return silu_mul(x, u) if glu else x
+
+            ref = hadamard_rotate(act(), h).double() @ (sets[0][0].double() * scales[0].double()[:, None]).T
+            got = gemv_group(act(), sets[0], scales=scales, convrot=GROUP)[0]
+            err = ((got.double() - ref).norm() / ref.norm()).item()
             floor = nbytes / bw * 1e6
-            dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
-            row = {"rows": rows, "shape": name, "n": n, "k": k, "uses": uses, "floor_us": floor, "rel_err": err,
-                   "bf16_cublas_us": timed(F.linear, dense, x), "configs": {}}
+            dense = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for n in ns]
+                     for _ in range(max(2, copies // 2))]
+
+            def cublas(ws):
+                a = act()
+                for w in ws:
+                    F.linear(a, w)
+
+            row = {"rows": rows, "group": name, "ns": ns, "k": k, "uses": uses, "floor_us": floor, "rel_err": err,
+                   "bf16_us": chain_us(cublas, dense),
+                   "bf16_triton_us": sweep(lambda ws, cfg: gemv_group(act(), ws, config=cfg),
+                                           _config(sum(ns), k), dense)}
             del dense
-            row["rotate_us"] = timed(lambda a, w: hadamard_rotate(a, h), qs[:8], x)
-            for cfg in [None] + CONFIGS:
-                row["configs"][str(cfg or _config(n, k, True)) + ("*" if cfg is None else "")] = timed(
-                    lambda a, w, cfg=cfg: gemv(a, w, scale, config=cfg), qs, x)
-            best = min(row["configs"].items(), key=lambda kv: kv[1])
-            tuned = next(v for key, v in row["configs"].items() if key.endswith("*"))
+            row["int8_us"] = sweep(lambda ws, cfg: gemv_group(act(), ws, scales=scales, convrot=GROUP, config=cfg),
+                                   _config(sum(ns), k, True), sets)
+            del sets
+            picks = {}
+            for kind in ("bf16_triton", "int8"):
+                us = row[f"{kind}_us"]
+                picks[kind] = (next(v for key, v in us.items() if key.endswith("*")),
+                               min(us.items(), key=lambda kv: kv[1]))
+                step[f"{kind}_picked"] += uses * picks[kind][0]
+                step[f"{kind}_best"] += uses * picks[kind][1][1]
             step["floor"] += uses * floor
-            step["bf16_cublas"] += uses * row["bf16_cublas_us"]
-            step["int8_tuned"] += uses * tuned
-            step["int8_best"] += uses * best[1]
-            step["rotate"] += uses * row["rotate_us"]
+            step["bf16"] += uses * row["bf16_us"]
             results.append(row)
-            print(f"rows {rows} {name:>24} {n:>6}x{k:<5} floor {floor:7.1f} us  "
-                  f"bf16 cuBLAS {row['bf16_cublas_us']:7.1f}"
-                  f"  int8 tuned {tuned:7.1f} ({100 * floor / tuned:3.0f}%)  best {best[1]:7.1f} {best[0]} "
-                  f"({100 * floor / best[1]:3.0f}%)  rotate {row['rotate_us']:5.1f}  err {err:.1e}", flush=True)
-            del qs
+            (tp, tb), (ip, ib) = picks["bf16_triton"], picks["int8"]
+            print(f"rows {rows} {name:>24} K {k:<5} floor {floor:6.1f} us | bf16 cuBLAS {row['bf16_us']:6.1f} "
+                  f"Triton {tp:6.1f} (best {tb[1]:6.1f} {tb[0]}) | int8 {ip:6.1f} ({100 * floor / ip:3.0f}%) "
+                  f"(best {ib[1]:6.1f} {ib[0]}) err {err:.1e}", flush=True)
         print(f"# rows {rows}, one decode step's products (ms): " +
               ", ".join(f"{key} {v / 1e3:.3f}" for key, v in step.items()), flush=True)
         results.append({"rows": rows, "step_ms": {key: v / 1e3 for key, v in step.items()}})

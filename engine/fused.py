@@ -2,8 +2,8 @@
 
 For S <= 8 rows (decode, MTP draft and verify) a layer runs as: residual add + RMSNorm (one
 kernel), the layer's projections (read in place as ``PlainLinear`` records where the binding's
-weight hook resolves them: bf16 through cuBLAS, int8 through the weight-only GEMV, projections
-sharing an input in one launch; else the Linear module's own call), one fused kernel for the
+weight hook resolves them: bf16 and int8 through the Triton GEMV, projections sharing an input in
+one launch; else the Linear module's own call), one fused kernel for the
 rest of the mixer (DeltaNet: conv, norms, gates, recurrence
 and gated norm; attention: q/k RMSNorm + RoPE, the length-aware decode kernel, the sigmoid gate),
 residual add + RMSNorm, and the MLP with a fused SiLU-multiply. The torch path in ``forward.py``
@@ -170,7 +170,7 @@ class FusedPlan:
                 unresolved[name], modules[name] = why, mod
                 continue
             linears[id(mod)] = plain
-            kind = "int8" + ("+ConvRot" if plain.rotation is not None else "") if plain.quantized \
+            kind = "int8" + ("+ConvRot" if plain.convrot else "") if plain.quantized \
                 else str(plain.weight.dtype).replace("torch.", "")
             formats[kind] = formats.get(kind, 0) + 1
             if mod is binding.output_module:

@@ -4,10 +4,12 @@ The engine calls a layer's own Linear module for prefill (and wherever no plain 
 for decode, draft and verify rows (S <= 8) the fused path reads ``PlainLinear`` records instead:
 the same storage the module holds (never a copy), in one of two formats:
 
-* dense: ``weight`` ``[N, K]`` in the execution dtype -> ``F.linear`` (cuBLAS);
+* dense: ``weight`` ``[N, K]`` in the execution dtype -> the Triton GEMV (which an H200 measured
+  ahead of cuBLAS's ``F.linear`` at every 9B decode shape, and grouped: ``benchmarks/int8_gemv.py``);
 * int8: ``weight`` int8 ``[N, K]`` with a float32 ``scale`` per output row (``[N]``) or per tensor
-  (``[]``), optionally ConvRot-rotated (``rotation`` = the ``[G, G]`` Hadamard matrix the rows were
-  rotated with; x is rotated once per input, then the weight-only int8 GEMV runs).
+  (``[]``), optionally ConvRot-rotated (``convrot`` = the group size G the rows were rotated in,
+  ``W_rot = W @ H_G.T`` per group): x is rotated once per input (one launch), then the
+  weight-only int8 GEMV runs.
 
 Who knows a module's storage (ComfyUI's ops, quantized tensors, offloading) builds these records:
 ``StandaloneWeights`` for the engine's own modules, ``patches/comfy_weights.py`` for ComfyUI's.
@@ -28,7 +30,7 @@ class PlainLinear:
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
-    rotation: torch.Tensor | None = None
+    convrot: int = 0
     bias: torch.Tensor | None = None
 
     @property
@@ -48,26 +50,30 @@ def linear_rows(x: torch.Tensor, w: PlainLinear) -> torch.Tensor:
 
 
 def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear]) -> list[torch.Tensor]:
-    """``[linear_rows(x, w) for w in weights]``; int8 weights sharing a rotation run as one launch
-    (x rotated once), dense ones through ``F.linear``. x ``[..., K]``, at most 16 rows."""
+    """``[linear_rows(x, w) for w in weights]`` as few launches: the Triton GEMV takes up to four
+    weights of one kind per launch (int8 of one ConvRot group size, x rotated once for them; or
+    weights in x's dtype); weights it cannot take (another dtype) go through ``F.linear``.
+    x ``[..., K]``, at most 16 rows."""
+    gemv = _kernels()
     outs: list[torch.Tensor | None] = [None] * len(weights)
-    quant: dict[int, list[int]] = {}
+    kinds: dict[tuple, list[int]] = {}
     for i, w in enumerate(weights):
-        if w.quantized:
-            quant.setdefault(id(w.rotation), []).append(i)
+        why = gemv.gemv_reason(x, w.weight, w.scale)
+        if why is None:
+            kinds.setdefault((w.quantized, w.convrot), []).append(i)
+        elif w.quantized:
+            raise ValueError(f"an int8 projection the GEMV cannot take: {why}")
         else:
             outs[i] = F.linear(x, w.weight, w.bias)
-    if quant:
-        gemv = _kernels()
-        for idx in quant.values():
-            rot = weights[idx[0]].rotation
-            xr = x if rot is None else gemv.hadamard_rotate(x, rot)
-            for start in range(0, len(idx), gemv.MAX_GROUP):
-                part = idx[start:start + gemv.MAX_GROUP]
-                ys = gemv.gemv_group(xr, [weights[i].weight for i in part], scales=[weights[i].scale for i in part])
-                for i, y in zip(part, ys):
-                    b = weights[i].bias
-                    outs[i] = y if b is None else y + b
+    for (_, group), idx in kinds.items():
+        for start in range(0, len(idx), gemv.MAX_GROUP):
+            part = idx[start:start + gemv.MAX_GROUP]
+            ys = gemv.gemv_group(x, [weights[i].weight for i in part],
+                                 scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
+                                 convrot=group)
+            for i, y in zip(part, ys):
+                b = weights[i].bias
+                outs[i] = y if b is None else y + b
     return outs
 
 

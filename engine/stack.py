@@ -33,16 +33,19 @@ def attention_backend(attention: str, config, dtype: torch.dtype, device) -> str
     return attention
 
 
-def fused_plan(fused, binding: Qwen35Binding, device, dtype) -> FusedPlan | None:
-    """The fused-kernel plan for decode rows, or None (reason logged once on CUDA; error if required)."""
-    if fused is False or (fused == "auto" and torch.device(device).type != "cuda"):
-        return None
+def fused_plan(fused, binding: Qwen35Binding, device, dtype) -> tuple[FusedPlan | None, str | None]:
+    """``(plan, None)``: the fused-kernel plan for decode rows; or ``(None, why not)`` (said once on
+    CUDA as a warning; Qwen35Error when ``fused=True`` requires it)."""
+    if fused is False:
+        return None, "fused=False"
+    if fused == "auto" and torch.device(device).type != "cuda":
+        return None, f"the fused kernels need a CUDA device (running on {torch.device(device).type})"
     plan, why = FusedPlan.build(binding, device, dtype)
     if plan is None:
         if fused is True:
             raise Qwen35Error(f"fused=True but {why}; use fused='auto' or False")
         say_once(log, f"Qwen3.5 decode runs without the fused kernels (slower): {why}")
-    return plan
+    return plan, why
 
 
 def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, device, attention: str = "auto",
@@ -55,7 +58,7 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     attention_backend(attention, binding.config, dtype, device)
     cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
                        fill=cache_fill)
-    plan = fused_plan(fused, binding, device, dtype)
+    plan, no_plan = fused_plan(fused, binding, device, dtype)
     binding.plain_output = None if plan is None else plan.output
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
     blocker = graph_blocker(binding, torch.device(device), dtype, attention, plan) if cuda_graphs else None
@@ -65,7 +68,10 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
         if torch.device(device).type == "cuda":
             say_once(log, f"Qwen3.5 decode runs without CUDA graphs: {blocker}")
     graphs = bool(cuda_graphs) and blocker is None
+    on = "on" if graphs else "off" if blocker is None else f"off ({blocker})"
     if plan is not None:
-        log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s", plan.describe(),
-                 "on" if graphs else "off" if blocker is None else f"off ({blocker})")
+        log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s", plan.describe(), on)
+    else:
+        log.info("Qwen3.5 decode path: every layer through its module calls (no fused kernels: %s), CUDA graphs %s",
+                 no_plan, on)
     return GraphRunner(runner) if graphs else runner

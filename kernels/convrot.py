@@ -11,10 +11,15 @@ from __future__ import annotations
 import torch
 
 
+def convrot_group_ok(size: int) -> bool:
+    """True for a ConvRot group size ``hadamard`` builds (a power of 4, at least 4)."""
+    return size >= 4 and not size & (size - 1) and not (size.bit_length() - 1) % 2
+
+
 def hadamard(size: int, *, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """The normalized regular Hadamard matrix ``[size, size]`` of ConvRot (size a power of 4):
     ``kron`` powers of ``[[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] / 2``; symmetric and orthogonal."""
-    if size < 4 or size & (size - 1) or (size.bit_length() - 1) % 2:
+    if not convrot_group_ok(size):
         raise ValueError(f"ConvRot group size must be a power of 4 (>= 4), got {size}")
     h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float64)
     h = h4

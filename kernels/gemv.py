@@ -12,9 +12,13 @@ with float32 accumulation, and the scale is applied to the accumulated row. Byte
 weights once. ``hadamard_rotate`` gives x the ConvRot rotation such weights expect.
 
 ``gemv_group`` runs up to four weights that read the same x in one launch (a DeltaNet layer's
-four input projections, q/k/v, gate/up), and ``glu=True`` computes x as ``silu(g) * u`` while
-loading it (the MLP's down projection, rounded as ``F.silu(g) * u`` in x's dtype would be), so
-the activation never goes through memory.
+four input projections, q/k/v, gate/up). What was measured slower on an H200 and removed
+(``benchmarks/int8_gemv.py``): the SiLU product computed inside the down projection's tiles
+(every program recomputes it per tile: 99 us against 33 for ``silu_mul`` + cuBLAS), the ConvRot
+rotation inside the product's tiles (two 16-wide products and layout shuffles per tile: 17 us
+against 12 for a rotation launch + the product at 4096x4096), one-row products on the CUDA
+cores instead of the tensor cores (2-3x slower), and the weight tile as the dot's left operand
+(no faster at any shape).
 """
 
 from __future__ import annotations
@@ -34,9 +38,8 @@ MAX_GROUP = 4
 
 
 @triton.jit
-def _tile(X, U, W, S, Y, M, N, K, sx_m, su_m, sw_n, ss_n, sy_m, pid,
-          GLU: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _tile(X, W, S, Y, M, N, K, sx_m, sw_n, ss_n, sy_m, pid, QUANT: tl.constexpr, IEEE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
@@ -55,11 +58,6 @@ def _tile(X, U, W, S, Y, M, N, K, sx_m, su_m, sw_n, ss_n, sy_m, pid,
         x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
         if QUANT:  # int8 -> x's dtype, exact
             w = w.to(x.dtype)
-        if GLU:  # x holds g; u the other half: round(round(silu(g)) * u)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-            u = tl.load(U + offs_m[:, None] * su_m + offs_k[None, :], mask=x_mask, other=0.0)
-            x = (act * u.to(tl.float32)).to(w.dtype)
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
@@ -71,32 +69,38 @@ def _tile(X, U, W, S, Y, M, N, K, sx_m, su_m, sw_n, ss_n, sy_m, pid,
 
 
 @triton.jit
-def _gemv_kernel(X, U, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, N0, N1, N2, N3, E0, E1, E2,
-                 sx_m, su_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3,
-                 COUNT: tl.constexpr, GLU: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
+def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, N0, N1, N2, N3, E0, E1, E2,
+                 sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3,
+                 COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
-        _tile(X, U, W0, S0, Y0, M, N0, K, sx_m, su_m, sw0, ss0, sy0, pid,
-              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, W0, S0, Y0, M, N0, K, sx_m, sw0, ss0, sy0, pid, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif COUNT > 1 and pid < E1:
-        _tile(X, U, W1, S1, Y1, M, N1, K, sx_m, su_m, sw1, ss1, sy1, pid - E0,
-              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, W1, S1, Y1, M, N1, K, sx_m, sw1, ss1, sy1, pid - E0, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+              EVEN_K)
     elif COUNT > 2 and pid < E2:
-        _tile(X, U, W2, S2, Y2, M, N2, K, sx_m, su_m, sw2, ss2, sy2, pid - E1,
-              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, W2, S2, Y2, M, N2, K, sx_m, sw2, ss2, sy2, pid - E1, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+              EVEN_K)
     elif COUNT > 3:
-        _tile(X, U, W3, S3, Y3, M, N3, K, sx_m, su_m, sw3, ss3, sy3, pid - E2,
-              GLU, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, W3, S3, Y3, M, N3, K, sx_m, sw3, ss3, sy3, pid - E2, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+              EVEN_K)
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for N output columns in all over width K. bf16, measured on
-    an H200 at the 9B shapes (``benchmarks/gemv.py``): 32 columns per program everywhere; 128-wide K
-    tiles, 5 stages for 8192..12288 columns of width 4096, else 256-wide tiles, 4 stages. int8
-    weights: 32 columns, 256-wide tiles (256 bytes per row per tile), 4 stages."""
+    """(BLOCK_N, BLOCK_K, warps, stages) for N output columns in all over width K, measured on an
+    H200 at the 9B decode launches (``benchmarks/int8_gemv.py``, results in
+    ``benchmarks/results/int8_gemv_h200.json``). bf16: 32 columns per program; 128-wide K tiles and
+    5 stages for 8192..16384 columns of width < 8192, else 256-wide tiles, 4 stages. int8: 64
+    columns, 256-wide tiles for 16384 columns and more (gate+up 33 us against 36, the 248k-row
+    output projection at its floor); 32 columns, 128-wide tiles, 5 stages for a DeltaNet layer's
+    four inputs (12352 columns: 22 us against 27); else 32 columns, 256-wide tiles, 4 stages."""
     if quant:
+        if n >= 16384:
+            return 64, 256, 4, 4
+        if 11264 <= n < 16384 and k < 8192:
+            return 32, 128, 4, 5
         return 32, 256, 4, 4
     if k < 8192 and 8192 <= n <= 16384:
         return 32, 128, 4, 5
@@ -134,15 +138,28 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
+_HADAMARD: dict[tuple, torch.Tensor] = {}
+
+
+def _hadamard(group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """ConvRot's normalized H_group ``[group, group]`` in ``dtype`` on ``device`` (built once each,
+    outside any graph capture: the eager step before a capture builds it)."""
+    key = (group, device, dtype)
+    if key not in _HADAMARD:
+        _HADAMARD[key] = hadamard(group, dtype=dtype, device=device).contiguous()
+    return _HADAMARD[key]
+
+
 def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[torch.Tensor] | None = None,
-               up: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> list[torch.Tensor]:
+               convrot: int = 0, config: tuple[int, int, int, int] | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch (1..4 weights ``[N_i, K]``, row-major, one dtype).
 
     x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 with
     ``scales`` (float32 per tensor or per output row: ``y = (x @ q.T) * scale``). Returns
-    ``[..., N_i]`` tensors in x's dtype (float32 accumulation). With ``up`` (same shape as x) the
-    product is taken with ``silu(x) * up`` (each rounded to the dtype, as torch rounds
-    ``F.silu(x) * up``). ``config`` = (BLOCK_N, BLOCK_K, warps, stages) overrides the choice.
+    ``[..., N_i]`` tensors in x's dtype (float32 accumulation). ``convrot=G``: the weights are
+    ConvRot-rotated in groups of G (K a multiple of G), so x is first rotated by ``hadamard_rotate``
+    (one launch more, shared by the group). ``config`` = (BLOCK_N, BLOCK_K, warps, stages)
+    overrides the choice.
     """
     if not 1 <= len(weights) <= MAX_GROUP:
         raise ValueError(f"gemv_group: 1..{MAX_GROUP} weights, got {len(weights)}")
@@ -156,10 +173,9 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
             why = "weights of different dtypes"
         if why is not None:
             raise ValueError(f"gemv: unsupported operands: {why}; call torch.nn.functional.linear")
-    if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device):
-        raise ValueError(f"gemv: up {tuple(up.shape)} {up.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    if convrot:
+        x = hadamard_rotate(x, _hadamard(convrot, x.device, x.dtype))
     x2 = _rows(x, k)
-    u2 = _rows(up, k) if up is not None else x2
     m = x2.shape[0]
     ns = [w.shape[0] for w in weights]
     outs = [torch.empty(m, n, dtype=x.dtype, device=x.device) for n in ns]
@@ -174,19 +190,20 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     ws, ys, ss = weights + [weights[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
     _gemv_kernel[(total,)](
-        x2, u2, *ws, *ss, *ys, m, k, *nn, *ee, x2.stride(0), u2.stride(0), *(w.stride(0) for w in ws),
+        x2, *ws, *ss, *ys, m, k, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
         *(int(quant and s.numel() > 1) for s in ss), *(y.stride(0) for y in ys),
-        COUNT=len(weights), GLU=up is not None, QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
+        COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
     )
     return [y.reshape(*x.shape[:-1], n) for y, n in zip(outs, ns)]
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, convrot: int = 0,
          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ w.T`` (times ``scale`` for int8 ``w``): x ``[..., K]`` with at most 16 rows in all, w
-    ``[N, K]`` row-major in x's dtype or int8. Returns ``[..., N]`` in x's dtype (float32 accumulation)."""
-    return gemv_group(x, [w], scales=None if scale is None else [scale], config=config)[0]
+    """``x @ w.T`` (times ``scale`` for int8 ``w``; x ConvRot-rotated first with ``convrot=G``): x
+    ``[..., K]`` with at most 16 rows in all, w ``[N, K]`` row-major in x's dtype or int8. Returns
+    ``[..., N]`` in x's dtype (float32 accumulation)."""
+    return gemv_group(x, [w], scales=None if scale is None else [scale], convrot=convrot, config=config)[0]
 
 
 @triton.jit

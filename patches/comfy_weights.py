@@ -25,7 +25,7 @@ import torch
 
 from ..engine.plain_weights import PlainLinear, StandaloneWeights
 from ..kernels import say_once
-from ..kernels.convrot import hadamard
+from ..kernels.convrot import convrot_group_ok
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +77,7 @@ def make_resident(patcher) -> str | None:
 
 class Resolver:
     """The weight hook the engine's ``bind`` takes for a ComfyUI-loaded tree (see
-    ``engine.plain_weights.StandaloneWeights`` for the contract). ConvRot matrices are built once per
-    (group size, device, dtype)."""
-
-    def __init__(self):
-        self._rotations: dict[tuple, torch.Tensor] = {}
-
-    def rotation(self, group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        key = (group, device, dtype)
-        if key not in self._rotations:
-            self._rotations[key] = hadamard(group, dtype=dtype, device=device)
-        return self._rotations[key]
+    ``engine.plain_weights.StandaloneWeights`` for the contract)."""
 
     def module_call_reason(self, module) -> str | None:
         """Why calling this ComfyUI module inside a CUDA graph is unsafe: its call goes through
@@ -156,13 +146,11 @@ class Resolver:
             return None, f"its int8 scale {tuple(scale.shape)} is neither per tensor nor per row"
         if scale.dtype != torch.float32:
             return None, f"its int8 scale is {scale.dtype}, not float32"
-        rotation = None
+        group = 0
         if getattr(params, "convrot", False):
             group = int(getattr(params, "convrot_groupsize", 256))
-            try:
-                rotation = self.rotation(group, device, dtype)
-            except ValueError as exc:
-                return None, str(exc)
+            if not convrot_group_ok(group):
+                return None, f"its ConvRot group size {group} is not a power of 4"
             if q.shape[1] % group:
                 return None, f"its ConvRot group {group} does not divide the width {q.shape[1]}"
-        return PlainLinear(q, scale=scale.detach().reshape(-1), rotation=rotation, bias=bias), None
+        return PlainLinear(q, scale=scale.detach().reshape(-1), convrot=group, bias=bias), None

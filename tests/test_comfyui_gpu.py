@@ -6,7 +6,7 @@ models loaded by ComfyUI's own loader (``comfy.sd.load_clip`` through the pack's
   line), and its greedy tokens equal the module path's (the same ComfyUI modules called per
   projection, no fused kernels, no graphs) in float32 execution, MTP off and on (int8: the
   weights are read as stored in either dtype);
-* a soak: generations alternating the patched clone (MTP off / 3), the unpatched CLIP (core),
+* a soak: 100 generations alternating the patched clone (MTP off / 3), the unpatched CLIP (core),
   interrupts, partial offloads (made resident again by the next generation) and
   ``unload_all_models()`` + reload: repeated requests give identical tokens, allocated VRAM after
   a generation stays flat, and a reloaded model (new weight storage) is read afresh.
@@ -28,6 +28,7 @@ COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI checkout> to run")]
 
+SOAK = 100  # generations (every 4th one interrupted, every 12th after unload_all_models)
 GREEDY = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
               presence_penalty=0.0)
 
@@ -117,7 +118,7 @@ def test_soak_inside_comfyui(comfy, checkpoints, caplog):
         return update_absolute
 
     allocated = []
-    for i in range(48):
+    for i in range(SOAK):
         kind = ("off", "mtp3", "core", "interrupt")[i % 4]
         if i % 12 == 11:
             mm.unload_all_models()  # the next generation loads the model again (new weight storage)

@@ -2,6 +2,8 @@
 same hidden states for 1 and 4 rows, same states after a partial commit, same greedy tokens with
 and without MTP; and the plan refuses modules it does not know, naming them."""
 
+import logging
+
 import pytest
 import torch
 from qwen35_fast.engine import bind, generate
@@ -121,3 +123,18 @@ def test_plan_refuses_unknown_modules(model, rng):
     assert FusedPlan.build(b, "cpu", torch.float32)[0] is not None
     with pytest.raises(Qwen35Error, match="fused must be"):
         generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, fused="yes")
+
+
+def test_every_generation_says_its_decode_path(model, caplog):
+    """One INFO line per generation names the decode path, with the reason when it is the module path."""
+    model, d = model
+    x = torch.randn(1, 3, d["hidden_size"])
+    caplog.set_level(logging.INFO, logger="qwen35_fast.engine.stack")
+    for fused, expect in ((False, "every layer through its module calls (no fused kernels: fused=False)"),
+                          ("auto", "(no fused kernels: the fused kernels need a CUDA device (running on cpu))"),
+                          (True, "fused kernels, 40 of 40 projections read in place (float32 40)"),
+                          (False, "(no fused kernels: fused=False)")):
+        caplog.clear()
+        generate(model, x, max_length=2, mtp="off", fused=fused)
+        lines = [r.getMessage() for r in caplog.records if "decode path" in r.getMessage()]
+        assert len(lines) == 1 and expect in lines[0], (fused, lines)

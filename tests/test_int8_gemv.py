@@ -60,6 +60,41 @@ def test_convrot_rotated_input_matches_comfy(rng, group, dtype):
     assert rel(gemv(x, q, scale, config=(16, 64, 4, 2)), ref) > 0.3  # the rotation is what makes it right
 
 
+@pytest.mark.parametrize("group", [16, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_convrot_argument_matches_comfy(rng, group, dtype):
+    """``gemv_group(convrot=G)`` rotates x itself: two ConvRot weights in one launch equal x @ W.T
+    with W as ComfyUI dequantizes them."""
+    k, rows = 2 * group, 3
+    x = torch.randn(rows, k, generator=rng).to(dtype)
+    qs = [rand_int8(rng, n, k) for n in (45, 7)]
+    scales = [torch.rand(q.shape[0], 1, generator=rng) * 1e-3 + 1e-4 for q in qs]
+    for out, q, s in zip(gemv_group(x, qs, scales=scales, convrot=group, config=(16, 64, 4, 2)), qs, scales):
+        assert rel(out, x.double() @ comfy_weight(q, s, group).T) < tol(dtype)
+
+
+def test_linear_group_mixes_formats(rng):
+    """The fused path's product of one input with projections of several formats (dense in x's
+    dtype, int8 with a bias, int8 with ConvRot) equals each one's own reference."""
+    from qwen35_fast.engine.plain_weights import PlainLinear, linear_group
+
+    k = 256
+    x = torch.randn(1, 2, k, generator=rng)
+    dense = torch.randn(9, k, generator=rng) * 0.1
+    q1, q2, q3 = rand_int8(rng, 20, k), rand_int8(rng, 5, k), rand_int8(rng, 11, k)
+    s1, s2, s3 = (torch.rand(q.shape[0], generator=rng) * 1e-3 + 1e-4 for q in (q1, q2, q3))
+    bias = torch.randn(5, generator=rng)
+    plains = [PlainLinear(dense), PlainLinear(q1, scale=s1, convrot=16), PlainLinear(q2, scale=s2, bias=bias),
+              PlainLinear(q3, scale=s3, convrot=16)]
+    refs = [x.double() @ dense.double().T, x.double() @ comfy_weight(q1, s1[:, None], 16).T,
+            x.double() @ comfy_weight(q2, s2[:, None]).T + bias.double(),
+            x.double() @ comfy_weight(q3, s3[:, None], 16).T]
+    outs = linear_group(x, plains)
+    for out, ref in zip(outs, refs):
+        assert out.shape == (1, 2, ref.shape[-1])
+        assert rel(out, ref) < 1e-5
+
+
 def test_hadamard_is_convrots_matrix():
     """Our matrix equals comfy-kitchen's ConvRot matrix and is orthogonal."""
     utils = pytest.importorskip("comfy_kitchen.tensor.int8_utils")
