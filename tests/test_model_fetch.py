@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 from qwen35_fast.engine import Qwen35Config, generate, load_standalone
+from qwen35_fast.patches import hub_client, mtp_fetch
 from qwen35_fast.patches import model_fetch as mf
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
@@ -82,7 +83,8 @@ def expected_shapes(sd) -> dict:
 
 def test_only_mtp_bytes_are_read_and_the_head_grafts(hub, repo, tmp_path, monkeypatch):
     files, sd = repo
-    monkeypatch.setattr(mf, "MIB", 4096)  # "per MiB" progress, scaled to the tiny head
+    monkeypatch.setattr(mtp_fetch, "MIB", 4096)  # "per MiB" progress, scaled to the tiny head
+    monkeypatch.setattr(hub_client, "_BLOCK", 4096)  # and reads of that size
     calls = []
     path = mf.fetch_mtp_head("9B", str(tmp_path / "te"), expected_shapes=expected_shapes(sd),
                              progress=lambda done, total: calls.append((done, total)))
@@ -115,7 +117,7 @@ def test_only_mtp_bytes_are_read_and_the_head_grafts(hub, repo, tmp_path, monkey
 
 def test_interrupted_download_resumes(hub, repo, tmp_path, monkeypatch):
     files, sd = repo
-    monkeypatch.setattr(mf, "_BLOCK", 4096)
+    monkeypatch.setattr(hub_client, "_BLOCK", 4096)
     dest = tmp_path / "te"
     cut = mtp_bytes(sd) // 2
     hub.cut[(REPO, SHARDS[1])] = cut
