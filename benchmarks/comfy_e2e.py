@@ -33,7 +33,7 @@ but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allo
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
-        [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35]
+        [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
 
@@ -242,6 +242,16 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     clock.run(lambda: patched.generate(tokens, max_length=64, **greedy), 32)
     target = bridge.find_qwen35(patched)
     embeds, _ = bridge.prompt_embeds(target, tokens, comfy.model_management.get_torch_device())
+    if args.profile:
+        from benchmarks.decode_e2e import profile_steps
+
+        prof = profile_steps(target.transformer, embeds, attention="auto", fused="auto", top=25,
+                             weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS)
+        rows.append({"format": fmt, "kind": "profile", **prof})
+        print(f"{fmt:>5} eager 1-row step: {prof['launches_per_step']:.0f} launches, "
+              f"{prof['kernel_us_per_step'] / 1e3:.2f} ms of kernels", flush=True)
+        for k in prof["top"]:
+            print(f"      {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['kernel']}", flush=True)
 
     for max_length in args.max_lengths:
         order = [k for k in ("pack", "forced3", "core") if k in args.kinds
@@ -299,6 +309,8 @@ def markdown(run: dict) -> str:
              "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB |",
              "|---|---|---|---|---|---|---|"]
     for r in run["rows"]:
+        if r["kind"] == "profile":  # --profile's kernel list, not a timed row
+            continue
         # The floor is one step's weight read; forced MTP rows make 4 tokens a step (plus 3 head steps).
         pct = "per step" if "forced" in r["kind"] else f"{r['floor_pct']:.0f}%"
         lines.append(f"| {r['format']} | {r['kind']} | {r['max_length']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} "
@@ -319,6 +331,8 @@ def main() -> None:
     ap.add_argument("--size", choices=["9b", "0.8b"], default="9b")
     ap.add_argument("--dir", default="/dev/shm/qwen35_comfy_e2e")
     ap.add_argument("--dynamic", action="store_true", help="load through DynamicVRAM (needs comfy-aimdo)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also list the kernels of an eager 1-row decode step per format (torch profiler)")
     ap.add_argument("--json", default="comfy_e2e.json")
     ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()

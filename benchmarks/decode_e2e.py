@@ -135,9 +135,11 @@ def run_one(model, prompt, *, max_length, tokens, attention, mtp, drafts=None, f
     return seen["tokens"][:tokens], seen["stats"], peak
 
 
-def _engine(model, prompt, *, attention: str, fused: bool, capacity: int, graphs: bool = True):
-    """A prefilled cache and a (graph) runner over it, built by ``generate``'s own ``build_runner``."""
-    binding = bind(model)
+def _engine(model, prompt, *, attention: str, fused, capacity: int, graphs: bool = True, weight_cast=None,
+            weights=None):
+    """A prefilled cache and a (graph) runner over it, built by ``generate``'s own ``build_runner``
+    (``weight_cast`` / ``weights``: the binding's hooks, see ``engine.bind``)."""
+    binding = bind(model, weight_cast=weight_cast, weights=weights)
     device, dtype, t = prompt.device, prompt.dtype, prompt.shape[1]
     runner = build_runner(binding, capacity=capacity, dtype=dtype, device=device, attention=attention, mtp=True,
                           fused=fused, cuda_graphs=graphs and device.type == "cuda")
@@ -195,13 +197,16 @@ def step_times(model, prompt, *, attention: str, fused: bool, rows=(1, 4), iters
 
 
 @torch.no_grad()
-def profile_steps(model, prompt, *, attention: str, fused: bool, steps: int = 5, top: int = 12) -> dict:
+def profile_steps(model, prompt, *, attention: str, fused, steps: int = 5, top: int = 12, weight_cast=None,
+                  weights=None) -> dict:
     """Kernels of eager 1-row decode steps (torch profiler): launches and kernel time per step, and
-    the kernels that take the most time."""
+    the kernels that take the most time. ``weight_cast`` / ``weights``: the binding's hooks (a
+    ComfyUI-loaded model: ``patches.comfy_bridge``'s)."""
     from torch.profiler import ProfilerActivity, profile
 
     binding, cache, runner = _engine(model, prompt, attention=attention, fused=fused,
-                                     capacity=prompt.shape[1] + 64, graphs=False)
+                                     capacity=prompt.shape[1] + 64, graphs=False, weight_cast=weight_cast,
+                                     weights=weights)
     t, device = prompt.shape[1], prompt.device
     x, pos = prompt[:, :1].contiguous(), torch.arange(t, t + 1, device=device).expand(3, 1)
 
