@@ -24,7 +24,7 @@ load_pack()
 from qwen35_fast.kernels.gemv import _config, gemv  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
-from benchmarks.timing import graph_replay_us  # noqa: E402
+from benchmarks.timing import chained_us  # noqa: E402
 
 # (name, N, K, uses per decode step of the 9B model)
 SHAPES = [("deltanet qkv", 8192, 4096, 24), ("deltanet z / out, attn o", 4096, 4096, 56),
@@ -35,13 +35,8 @@ CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (
 
 
 def timed(fn, weights, x) -> float:
-    """Median microseconds per call of fn(x, w) over the weight copies, in one graph (the shared
-    ``benchmarks.timing.graph_replay_us``)."""
-    def chain():
-        for w in weights:
-            fn(x, w)
-
-    return graph_replay_us(chain, calls=len(weights))
+    """Median microseconds per call of fn(x, w) over the weight copies, in one graph."""
+    return chained_us(lambda w: fn(x, w), weights)
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from qwen35_fast.kernels.fused_ops import silu_mul  # noqa: E402
 from qwen35_fast.kernels.gemv import _config, gemv_group, hadamard, hadamard_rotate  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
-from benchmarks.timing import graph_replay_us  # noqa: E402
+from benchmarks.timing import chained_us  # noqa: E402
 
 #: (name, output widths of the group, K, launches per 9B decode step, silu_mul in front)
 GROUPS = [("deltanet in (qkv z a b)", [8192, 4096, 32, 32], 4096, 24, False),
@@ -53,22 +53,13 @@ CONFIGS = [(32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (32, 128, 4, 5), (
 GROUP = 256
 
 
-def chain_us(fn, sets) -> float:
-    """Median microseconds of ``fn(weights)`` per weight set, all sets chained in one graph."""
-    def chain():
-        for ws in sets:
-            fn(ws)
-
-    return graph_replay_us(chain, calls=len(sets))
-
-
 def sweep(fn, picked, sets) -> dict:
     """``{config: us}`` for the picked config (key marked ``*``) and ``CONFIGS`` (a config the GPU
     cannot launch, out of shared memory, is left out)."""
     out = {}
     for cfg in [picked] + [c for c in CONFIGS if c != picked]:
         try:
-            out[str(cfg) + ("*" if cfg == picked else "")] = chain_us(lambda ws, cfg=cfg: fn(ws, cfg), sets)
+            out[str(cfg) + ("*" if cfg == picked else "")] = chained_us(lambda ws, cfg=cfg: fn(ws, cfg), sets)
         except triton.runtime.errors.OutOfResources:
             torch.cuda.synchronize()
     return out
@@ -112,7 +103,7 @@ def main() -> None:
                     F.linear(a, w)
 
             row = {"rows": rows, "group": name, "ns": ns, "k": k, "uses": uses, "floor_us": floor, "rel_err": err,
-                   "bf16_us": chain_us(cublas, dense),
+                   "bf16_us": chained_us(cublas, dense),
                    "bf16_triton_us": sweep(lambda ws, cfg: gemv_group(act(), ws, config=cfg),
                                            _config(sum(ns), k), dense)}
             del dense

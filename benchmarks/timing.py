@@ -34,6 +34,16 @@ def graph_replay_us(fn, *, calls: int = 1, replays: int = 60, warm: int = 2, war
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3 / calls
 
 
+def chained_us(fn, items) -> float:
+    """Median microseconds of ``fn(item)`` per item, every item's call chained in one captured
+    graph (distinct weight copies as the items: nothing is served from L2)."""
+    def chain():
+        for item in items:
+            fn(item)
+
+    return graph_replay_us(chain, calls=len(items))
+
+
 def back_to_back_ms(fn, *, iters: int = 200) -> float:
     """Median milliseconds of ``fn()`` called ``iters`` times back to back (no host sync between
     calls, CUDA events between them; ``fn`` may replay its own graphs). On the CPU: one timed call."""
