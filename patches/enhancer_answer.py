@@ -133,20 +133,26 @@ class _LenientReader:
             return _WORDS[m.group()]
         raise _Broken(f"unexpected {c!r}")
 
-    def obj(self, depth: int) -> dict:
-        self.pos += 1  # "{"
-        out: dict = {}
+    def _at_end(self, close: str) -> bool:
+        """Skip whitespace and commas (separators, trailing or doubled); True when the container
+        ends here: at ``close`` (consumed) or where the text runs out (marked truncated)."""
         while True:
             c = self._ws()
             if c is None:
                 self.truncated = True
-                return out
-            if c == "}":
+                return True
+            if c == close:
                 self.pos += 1
-                return out
-            if c == ",":  # separators, trailing or doubled commas
-                self.pos += 1
-                continue
+                return True
+            if c != ",":
+                return False
+            self.pos += 1
+
+    def obj(self, depth: int) -> dict:
+        self.pos += 1  # "{"
+        out: dict = {}
+        while not self._at_end("}"):
+            c = self.text[self.pos]
             if c in "\"'":
                 key = self.string()
             else:
@@ -164,28 +170,19 @@ class _LenientReader:
             if c != ":":
                 raise _Broken(f"expected ':' after key {key!r}")
             self.pos += 1
-            val = self.value(depth + 1)
-            out[key] = val
+            out[key] = self.value(depth + 1)
             if self.truncated:
                 return out
+        return out
 
     def arr(self, depth: int) -> list:
         self.pos += 1  # "["
         out: list = []
-        while True:
-            c = self._ws()
-            if c is None:
-                self.truncated = True
-                return out
-            if c == "]":
-                self.pos += 1
-                return out
-            if c == ",":
-                self.pos += 1
-                continue
+        while not self._at_end("]"):
             out.append(self.value(depth + 1))
             if self.truncated:
                 return out
+        return out
 
     def string(self) -> str:
         quote = self.text[self.pos]
