@@ -22,15 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.oracles.comfy_tree import import_comfyui
+from tests.oracles.comfy_tree import GREEDY, import_comfyui, log_lines
 
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI checkout> to run")]
 
 SOAK = 100  # generations (every 4th one interrupted, every 12th after unload_all_models)
-GREEDY = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
-              presence_penalty=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +54,6 @@ def _load(path):
     return load_qwen35_clip(str(path), None).clip
 
 
-def _decode_path_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "decode path" in r.getMessage()]
-
-
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
 def test_fast_path_chosen_and_equal_to_module_path(comfy, checkpoints, caplog, fmt):
     from qwen35_fast.engine import generate
@@ -71,7 +65,7 @@ def test_fast_path_chosen_and_equal_to_module_path(comfy, checkpoints, caplog, f
     tokens = clip.tokenize("a lighthouse on a cliff at dusk, " * 12)
     caplog.set_level(logging.INFO)
     out = patched.generate(tokens, max_length=24, **GREEDY)
-    lines = _decode_path_lines(caplog)
+    lines = log_lines(caplog, "decode path")
     assert lines and " 0 of" not in lines[-1] and "through their module call" not in lines[-1], lines
     assert "CUDA graphs on" in lines[-1], lines[-1]
     assert len(out) >= 1
@@ -85,7 +79,7 @@ def test_fast_path_chosen_and_equal_to_module_path(comfy, checkpoints, caplog, f
                           cuda_graphs=False, **kw)
         caplog.clear()
         fast = generate(target.transformer, embeds, execution_dtype=dtype, mtp="off", **kw)
-        line = _decode_path_lines(caplog)[-1]
+        line = log_lines(caplog, "decode path")[-1]
         # float32 steps read the int8 rows in place; the bf16 head / embedding are cast by their modules
         assert ("CUDA graphs on" in line) if dtype == torch.bfloat16 else ("int8+ConvRot" in line), line
         if dtype == torch.float32:  # same math in float32: the same greedy tokens
@@ -139,7 +133,7 @@ def test_soak_inside_comfyui(comfy, checkpoints, caplog):
         got = model.generate(tokens, max_length=12 if kind == "core" else 40, **GREEDY)
         assert got == ref[kind], (i, kind)
         if kind != "core":
-            line = _decode_path_lines(caplog)[-1]
+            line = log_lines(caplog, "decode path")[-1]
             assert "through their module call" not in line and "CUDA graphs on" in line, (i, line)
             gc.collect()
             torch.cuda.synchronize()

@@ -19,12 +19,12 @@ import os
 
 import pytest
 
+from tests.oracles.comfy_tree import GREEDY, log_lines
+
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI checkout> to run")]
 
-GREEDY = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
-              presence_penalty=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +47,6 @@ def checkpoint(tmp_path_factory, comfy):
     return path
 
 
-def _lines(caplog, needle):
-    return [r.getMessage() for r in caplog.records if needle in r.getMessage()]
-
-
 def test_core_loaded_dynamic_clip_keeps_module_path_and_says_why(comfy, checkpoint, caplog):
     from qwen35_fast.patches.clip_patch import patch_clip
 
@@ -61,9 +57,9 @@ def test_core_loaded_dynamic_clip_keeps_module_path_and_says_why(comfy, checkpoi
     core = clip.generate(tokens, max_length=16, **GREEDY)
     ours = patch_clip(clip, mtp="off").generate(tokens, max_length=16, **GREEDY)
     assert ours == core
-    why = _lines(caplog, "DynamicVRAM")
+    why = log_lines(caplog, "DynamicVRAM")
     assert why and "--disable-dynamic-vram" in why[0] and "Load Qwen3.5 CLIP" in why[0], why
-    path = _lines(caplog, "decode path")[-1]
+    path = log_lines(caplog, "decode path")[-1]
     assert "DynamicVRAM" in path and "CUDA graphs off" in path, path
 
 
@@ -78,5 +74,5 @@ def test_pack_loader_gives_a_resident_clip_on_the_fast_path(comfy, checkpoint, c
     core = clip.generate(tokens, max_length=16, **GREEDY)
     ours = patch_clip(clip, mtp="off").generate(tokens, max_length=16, **GREEDY)
     assert ours == core  # decisive weights: the greedy choice has a margin no rounding flips
-    path = _lines(caplog, "decode path")[-1]
+    path = log_lines(caplog, "decode path")[-1]
     assert "through their module call" not in path and "CUDA graphs on" in path, path

@@ -1,4 +1,5 @@
-"""A real ComfyUI tree in this process, and checkpoints in its int8_convrot format (test helpers)."""
+"""A real ComfyUI tree in this process, checkpoints in its int8_convrot format, and what the tests
+that run it share: greedy sampling arguments and a log-line filter (test helpers)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+
+#: Greedy decoding, spelled as core ComfyUI's ``generate`` takes its sampling arguments.
+GREEDY = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
+              presence_penalty=0.0)
+
+
+def log_lines(caplog, needle: str) -> list[str]:
+    """The captured log messages that contain ``needle``, oldest first."""
+    return [r.getMessage() for r in caplog.records if needle in r.getMessage()]
 
 
 def import_comfyui(tree: str):
