@@ -7,12 +7,19 @@ and nothing allocated except the returned outputs.
 
 Ops (each computes in float32 inside the kernel and stores in the input dtype):
 
-* ``add_rms_norm``  residual add + RMSNorm                 ``[..., H]``         one program per row
+* ``add_rms_norm``  residual add + RMSNorm                 ``[..., H]``         programs per (row, 512 columns)
 * ``rms_norm_rope`` per-head RMSNorm + partial RoPE,       ``[B,S,Hn,D]`` ->
   written transposed for attention                         ``[B,Hn,S,D]``       one program per (row, head)
 * ``silu_mul``      SwiGLU activation ``silu(g) * u``      ``[..., N]``         programs per (row, column tile)
 * ``sigmoid_gate``  attention output gate ``o * sigmoid(gate)``, transposing o back to rows
                                                            ``[B,S,Hn*D]``       one program per (row, head)
+
+``add_rms_norm``, ``silu_mul`` and ``sigmoid_gate`` take ``rotate=G``: they also return their
+output ConvRot-rotated in groups of G (``y_g @ H_G`` of the rounded output, float32 products, one
+rounding), which int8 ConvRot projections read directly: the row is in registers once, so the
+rotation costs no launch of its own. Groups of 16 and 256 (``H_256 = H_16 (x) H_16``, two 16-wide
+products) within one program's tile are done in the kernel, other sizes by a ``hadamard_rotate``
+launch after it. ``add_rms_norm`` also sums float32 partial products (a split-K projection).
 
 Each op has a plain-torch twin (``*_torch``) doing the identical math; the twins are the fallback
 when Triton cannot run and document the exact rounding points ("round" = cast to the input dtype),
@@ -29,6 +36,8 @@ import triton
 import triton.language as tl
 
 from .capabilities import triton_device_reason
+from .convrot import convrot_group_ok, hadamard_rotate_torch
+from .gemv import _hadamard, hadamard_rotate
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_torch",
@@ -37,27 +46,67 @@ __all__ = [
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SILU_TILE = 1024  # columns per silu_mul program (no reduction there, so rows are cut into tiles)
+_NORM_SLICE = 512  # columns each add_rms_norm program writes (each reads its whole row for the norm)
 
 
 # ------------------------------------------------------------------ kernels
 @triton.jit
-def _add_rms_norm_kernel(
-    X, R, W, Y, HOUT,
-    sx, sr, sw, n_cols, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
+def _convrot_tile(y, H, G: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    """``[BLOCK]`` values (already in the io dtype) with every group of G (16 or 256) times H_G,
+    float32 out. H points to H_16 ``[16, 16]`` in the io dtype; H_256 = H_16 (x) H_16, so a group
+    as a 16x16 matrix X (X[a, b] = y[16a + b]) becomes H_16 X H_16 (H_16 is symmetric)."""
+    c = tl.arange(0, 16)
+    h = tl.load(H + c[:, None] * 16 + c[None, :])
+    z = tl.reshape(y, (BLOCK // 16, 16))
+    if IEEE:
+        z = tl.dot(z, h, input_precision="ieee")
+    else:
+        z = tl.dot(z, h)  # exact products (H_16 holds +-1/4), float32 sums
+    if G == 256:  # the other factor, over a: transpose each group, multiply, transpose back
+        z = tl.reshape(tl.permute(tl.reshape(z, (BLOCK // 256, 16, 16)), (0, 2, 1)), (BLOCK // 16, 16))
+        z = tl.dot(z, h.to(tl.float32), input_precision="ieee")
+        z = tl.permute(tl.reshape(z, (BLOCK // 256, 16, 16)), (0, 2, 1))
+    return tl.reshape(z, (BLOCK,))
+
+
+@triton.jit
+def _residual_rows(X, R, row, sx, sr, sr_p, cols, ok, HAS_RES: tl.constexpr, PARTS: tl.constexpr,
+                   DT: tl.constexpr):
+    """float32 ``h = x + residual`` (rounded to DT, with the partials summed and rounded first) at ``cols``."""
     x = tl.load(X + row * sx + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * sr + cols, mask=ok, other=0.0).to(tl.float32)
-        h = (x + r).to(Y.dtype.element_ty)  # rounding point: h is a tensor of x's dtype
-        tl.store(HOUT + row * n_cols + cols, h, mask=ok)
-        x = h.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(W + cols * sw, mask=ok, other=0.0)
-    tl.store(Y + row * n_cols + cols, (x * inv * w).to(Y.dtype.element_ty), mask=ok)
+        for p in tl.static_range(1, PARTS):  # float32 partials of a split-K product, summed
+            r += tl.load(R + p * sr_p + row * sr + cols, mask=ok, other=0.0)
+        if PARTS > 0:
+            r = r.to(DT).to(tl.float32)  # rounding point: the product in x's dtype
+        x = (x + r).to(DT).to(tl.float32)  # rounding point: h is a tensor of x's dtype
+    return x
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X, R, W, Y, HOUT, H, YROT,
+    sx, sr, sr_p, sw, n_cols, eps,
+    HAS_RES: tl.constexpr, PARTS: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr,
+    SLICE: tl.constexpr,
+):
+    # Program (row, slice): the whole row for the mean square, then its SLICE columns written
+    # (h, y and y rotated), so one row is spread over several programs.
+    row = tl.program_id(0).to(tl.int64)
+    DT: tl.constexpr = Y.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    h = _residual_rows(X, R, row, sx, sr, sr_p, cols, cols < n_cols, HAS_RES, PARTS, DT)
+    inv = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
+    sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+    ok = sc < n_cols
+    hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
+    if HAS_RES:
+        tl.store(HOUT + row * n_cols + sc, hs.to(DT), mask=ok)
+    y = (hs * inv * tl.load(W + sc * sw, mask=ok, other=0.0)).to(DT)
+    tl.store(Y + row * n_cols + sc, y, mask=ok)
+    if ROT > 0:
+        tl.store(YROT + row * n_cols + sc, _convrot_tile(y, H, ROT, SLICE, IEEE).to(DT), mask=ok)
 
 
 @triton.jit
@@ -95,22 +144,27 @@ def _rms_norm_rope_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, OUT, sg, su, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, OUT, H, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     g = tl.load(G + row * sg + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + row * su + cols, mask=ok, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # rounding point: F.silu(g)
-    tl.store(OUT + row * n_cols + cols, (act * u).to(OUT.dtype.element_ty), mask=ok)
+    out = (act * u).to(OUT.dtype.element_ty)
+    tl.store(OUT + row * n_cols + cols, out, mask=ok)
+    if ROT > 0:
+        tl.store(OROT + row * n_cols + cols, _convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty),
+                 mask=ok)
 
 
 @triton.jit
 def _sigmoid_gate_kernel(
-    ATT, GATE, OUT,
+    ATT, GATE, OUT, H, OROT,
     so_b, so_h, so_s, sg_b, sg_s, sg_h,
     n_heads, n_rows, d,
-    BLOCK: tl.constexpr,
+    ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)  # over (b, s, h), in the output's order
     h = pid % n_heads
@@ -123,14 +177,35 @@ def _sigmoid_gate_kernel(
     g = tl.load(GATE + b.to(tl.int64) * sg_b + s.to(tl.int64) * sg_s + h * sg_h + cols,
                 mask=ok, other=0.0).to(tl.float32)
     sig = (1.0 / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # rounding point: sigmoid
-    dst = OUT + ((b.to(tl.int64) * n_rows + s) * n_heads + h) * d + cols
-    tl.store(dst, (o * sig).to(OUT.dtype.element_ty), mask=ok)
+    at = ((b.to(tl.int64) * n_rows + s) * n_heads + h) * d + cols
+    out = (o * sig).to(OUT.dtype.element_ty)
+    tl.store(OUT + at, out, mask=ok)
+    if ROT > 0:
+        tl.store(OROT + at, _convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty), mask=ok)
 
 
 # ------------------------------------------------------------------ helpers
 def fused_ops_reason(t: torch.Tensor) -> str | None:
     """None when the fused Triton kernels can run on t's device, else why not (one line)."""
     return triton_device_reason(t.device)
+
+
+def _rotation(op: str, rotate: int, width: int, block: int, t: torch.Tensor):
+    """``(G, H_16 pointer tensor)`` when the kernel rotates its tile itself, ``(0, t)`` when not
+    (no rotation, or one ``hadamard_rotate`` launch after it). Checks G."""
+    if not rotate:
+        return 0, t
+    if not convrot_group_ok(rotate) or width % rotate:
+        raise ValueError(f"{op}: rotate={rotate} must be a ConvRot group size (a power of 4) that divides "
+                         f"the width {width}")
+    if rotate in (16, 256) and block >= 256 and block % rotate == 0:
+        return rotate, _hadamard(16, t.device, t.dtype)
+    return 0, t
+
+
+def _rotated(out: torch.Tensor, rotate: int, fused: int, out_rot: torch.Tensor) -> torch.Tensor:
+    """The rotated output: the kernel's own, or a ``hadamard_rotate`` launch over ``out``."""
+    return out_rot if fused else hadamard_rotate(out, _hadamard(rotate, out.device, out.dtype))
 
 
 def _num_warps(block: int) -> int:
@@ -180,23 +255,34 @@ def _rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ add + RMSNorm
+def _twin_rotate(y: torch.Tensor, rotate: int) -> torch.Tensor:
+    from .convrot import hadamard
+
+    return hadamard_rotate_torch(y, hadamard(rotate, device=y.device))
+
+
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, *, rotate: int = 0) -> tuple[torch.Tensor, ...]:
     """Plain-torch ``add_rms_norm`` (same math and rounding points; no checks, no graph promise)."""
+    if residual is not None and residual.dim() == x.dim() + 1:  # split-K partials
+        residual = residual.sum(0).to(x.dtype)
     h = x if residual is None else x + residual  # rounded to x.dtype
-    y = F.rms_norm(h.float(), (h.shape[-1],), weight, eps).to(x.dtype)
-    return y.contiguous(), h
+    y = F.rms_norm(h.float(), (h.shape[-1],), weight, eps).to(x.dtype).contiguous()
+    return (y, h) if not rotate else (y, h, _twin_rotate(y, rotate))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then RMSNorm, one launch. Returns ``(y, h)``.
+                 eps: float, *, rotate: int = 0) -> tuple[torch.Tensor, ...]:
+    """Residual add then RMSNorm, one launch. Returns ``(y, h)``, with ``rotate=G`` ``(y, h, y_rot)``.
 
-    x ``[..., H]`` (last dim contiguous; bf16/fp16/fp32), residual the same shape and dtype or None,
-    weight float32 ``[H]`` (the effective weight, any ``+1`` offset already applied), eps a float.
+    x ``[..., H]`` (last dim contiguous; bf16/fp16/fp32); residual the same shape and dtype, or
+    float32 partial products ``[P, ..., H]`` (``gemv_group(split=P)``: summed in float32 and
+    rounded to x's dtype first, as the unsplit product is), or None; weight float32 ``[H]`` (the
+    effective weight, any ``+1`` offset already applied), eps a float.
     ``h = x + residual`` rounded to x's dtype (``h`` is x itself, no copy, when residual is None);
-    ``y = h * rsqrt(mean(h**2, -1) + eps) * weight`` in float32, rounded to x's dtype.
-    y and h are ``[..., H]`` contiguous in x's dtype (h as passed when residual is None).
+    ``y = h * rsqrt(mean(h**2, -1) + eps) * weight`` in float32, rounded to x's dtype;
+    ``y_rot``: y ConvRot-rotated in groups of G (G divides H). y, h and y_rot are ``[..., H]``
+    contiguous in x's dtype (h as passed when residual is None).
     """
     op = "add_rms_norm"
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -205,33 +291,47 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     hid = x.shape[-1]
     _check_weight(op, weight, hid, f"hidden size of x {tuple(x.shape)}")
     tensors = {"x": x, "weight": weight}
+    parts = 0  # residual in x's dtype; else the number of float32 partials
     if residual is not None:
-        if not isinstance(residual, torch.Tensor) or residual.shape != x.shape or residual.dtype != x.dtype:
+        if isinstance(residual, torch.Tensor) and residual.dim() == x.dim() + 1 and residual.shape[1:] == x.shape \
+                and residual.dtype == torch.float32 and residual.shape[0] >= 1:
+            parts = residual.shape[0]
+        elif not isinstance(residual, torch.Tensor) or residual.shape != x.shape or residual.dtype != x.dtype:
             got = (f"{tuple(residual.shape)} {residual.dtype}" if isinstance(residual, torch.Tensor)
                    else type(residual).__name__)
-            raise ValueError(f"{op}: residual must match x ({tuple(x.shape)} {x.dtype}) or be None, got {got}")
+            raise ValueError(f"{op}: residual must match x ({tuple(x.shape)} {x.dtype}), be float32 partials "
+                             f"[P, {', '.join(map(str, x.shape))}] or None, got {got}")
         tensors["residual"] = residual
     _check_same(op, tensors)
     _require_triton(op, x)
     _check_last_contiguous(op, "x", x)
+    block = triton.next_power_of_2(max(hid, 1))
+    slice_ = min(block, _NORM_SLICE)
+    fused, hmat = _rotation(op, rotate, hid, slice_, x)
     x2 = _rows(op, "x", x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y_rot = torch.empty(x.shape, dtype=x.dtype, device=x.device) if fused else y
     if residual is None:
-        h, r2, h_out = x, x2, y  # R/HOUT unused (HAS_RES=False)
+        h, r2, sr_p, h_out = x, x2, 0, y  # R/HOUT unused (HAS_RES=False)
     else:
         _check_last_contiguous(op, "residual", residual)
-        r2 = _rows(op, "residual", residual)
+        if parts and not residual.is_contiguous():
+            raise ValueError(f"{op}: partials must be contiguous; pass residual.contiguous()")
+        r2 = _rows(op, "residual", residual[0] if parts else residual)
+        sr_p = residual.stride(0) if parts else 0
         h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         h_out = h
     if x2.shape[0] == 0 or hid == 0:
-        return y, h
-    block = triton.next_power_of_2(hid)
-    _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, y, h_out,
-        x2.stride(0), r2.stride(0), weight.stride(0), hid, float(eps),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+        return (y, h) if not rotate else (y, h, y_rot)
+    _add_rms_norm_kernel[(x2.shape[0], block // slice_)](
+        x2, r2, weight, y, h_out, hmat, y_rot,
+        x2.stride(0), r2.stride(0), sr_p, weight.stride(0), hid, float(eps),
+        HAS_RES=residual is not None, PARTS=parts, ROT=fused, IEEE=x.dtype == torch.float32, BLOCK=block,
+        SLICE=slice_, num_warps=_num_warps(block),
     )
-    return y, h
+    if not rotate:
+        return y, h
+    return y, h, _rotated(y, rotate, fused, y_rot)
 
 
 # ------------------------------------------------------------------ per-head RMSNorm + RoPE
@@ -294,16 +394,18 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 
 
 # ------------------------------------------------------------------ SwiGLU activation
-def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def silu_mul_torch(g: torch.Tensor, u: torch.Tensor, *, rotate: int = 0):
     """Plain-torch ``silu_mul``: ``round(round(silu(g)) * u)`` exactly as torch computes it in g's dtype."""
-    return F.silu(g) * u
+    out = F.silu(g) * u
+    return out if not rotate else (out, _twin_rotate(out, rotate))
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def silu_mul(g: torch.Tensor, u: torch.Tensor, *, rotate: int = 0):
     """``silu(g) * u`` in one launch. g, u ``[..., N]`` same shape and dtype, last dim contiguous.
 
     Mirrors torch's rounding in g's dtype: ``out = round(round(silu(g)) * u)``, each step computed
-    in float32 (round = cast to g's dtype). Returns ``[..., N]`` contiguous in g's dtype.
+    in float32 (round = cast to g's dtype). Returns ``[..., N]`` contiguous in g's dtype; with
+    ``rotate=G`` ``(out, out_rot)``, out_rot = out ConvRot-rotated in groups of G (G divides N).
     """
     op = "silu_mul"
     if not isinstance(g, torch.Tensor) or not isinstance(u, torch.Tensor) or g.dim() < 1:
@@ -319,30 +421,35 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     g2, u2 = _rows(op, "g", g), _rows(op, "u", u)
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     n = g.shape[-1]
+    block = min(triton.next_power_of_2(max(n, 1)), _SILU_TILE)
+    fused, hmat = _rotation(op, rotate, n, block, g)
+    out_rot = torch.empty(g.shape, dtype=g.dtype, device=g.device) if fused else out
     if out.numel() == 0:
-        return out
-    block = min(triton.next_power_of_2(n), _SILU_TILE)
+        return out if not rotate else (out, out_rot)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
-        g2, u2, out, g2.stride(0), u2.stride(0), n, BLOCK=block, num_warps=4,
+        g2, u2, out, hmat, out_rot, g2.stride(0), u2.stride(0), n, ROT=fused, IEEE=g.dtype == torch.float32,
+        BLOCK=block, num_warps=4,
     )
-    return out
+    return out if not rotate else (out, _rotated(out, rotate, fused, out_rot))
 
 
 # ------------------------------------------------------------------ attention output gate
-def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate_torch(o: torch.Tensor, gate: torch.Tensor, *, rotate: int = 0):
     """Plain-torch ``sigmoid_gate``: ``o.transpose(1, 2).reshape(B, S, Hn*D) * torch.sigmoid(gate)``."""
     b_sz, hn, s, d = o.shape
-    return o.transpose(1, 2).reshape(b_sz, s, hn * d) * torch.sigmoid(gate)
+    out = o.transpose(1, 2).reshape(b_sz, s, hn * d) * torch.sigmoid(gate.reshape(b_sz, s, hn * d))
+    return out if not rotate else (out, _twin_rotate(out, rotate))
 
 
-def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, *, rotate: int = 0):
     """Attention output gate in one launch: ``[B,Hn,S,D]`` o times ``sigmoid(gate)`` -> ``[B,S,Hn*D]``.
 
     o ``[B,Hn,S,D]`` and gate ``[B,S,Hn*D]`` or ``[B,S,Hn,D]`` (e.g. the gate half of a q projection
     viewed per head) of one dtype (bf16/fp16/fp32), any strides with a contiguous last dim.
     ``out = round(o' * round(sigmoid(gate)))`` with o' = o transposed to ``[B,S,Hn,D]`` and
     flattened, float32 math, round = cast to the dtype (torch's rounding).
-    Returns ``[B,S,Hn*D]`` contiguous.
+    Returns ``[B,S,Hn*D]`` contiguous; with ``rotate=G`` ``(out, out_rot)``, out_rot = out
+    ConvRot-rotated in groups of G (G divides Hn*D; in the kernel when G also divides D).
     """
     op = "sigmoid_gate"
     if not isinstance(o, torch.Tensor) or not isinstance(gate, torch.Tensor) or o.dim() != 4:
@@ -358,13 +465,15 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     _check_last_contiguous(op, "gate", gate)
     head_stride = gate.stride(2) if gate.dim() == 4 else d
     out = torch.empty(b_sz, s, hn * d, dtype=o.dtype, device=o.device)
+    block = triton.next_power_of_2(max(d, 1))
+    fused, hmat = _rotation(op, rotate, hn * d, block if d == block and not d % max(rotate, 1) else 0, o)
+    out_rot = torch.empty(out.shape, dtype=o.dtype, device=o.device) if fused else out
     if out.numel() == 0:
-        return out
-    block = triton.next_power_of_2(d)
+        return out if not rotate else (out, out_rot)
     _sigmoid_gate_kernel[(b_sz * s * hn,)](
-        o, gate, out,
+        o, gate, out, hmat, out_rot,
         o.stride(0), o.stride(1), o.stride(2), gate.stride(0), gate.stride(1), head_stride,
         hn, s, d,
-        BLOCK=block, num_warps=_num_warps(block),
+        ROT=fused, IEEE=o.dtype == torch.float32, BLOCK=block, num_warps=_num_warps(block),
     )
-    return out
+    return out if not rotate else (out, _rotated(out, rotate, fused, out_rot))

@@ -3,7 +3,8 @@
 At batch 1 a decode step is a chain of matrix-vector products whose cost is reading the weights
 once. Each program owns ``BLOCK_N`` output columns of one weight and streams its ``[BLOCK_N, K]``
 slice in ``BLOCK_K`` tiles (software-pipelined), multiplying them with the rows of x padded to 16
-on the tensor cores, float32 accumulation, no split over K (no second reduction launch).
+on the tensor cores, float32 accumulation; K is split only on request (``split``, below), and
+then the consumer adds the partials (no reduction launch of its own).
 
 Weights are bf16/fp16 (x's dtype) or int8 with a float32 scale per output row or per tensor
 (ComfyUI's ``int8_tensorwise``): weight-only quantization, the int8 values are widened to x's
@@ -11,14 +12,16 @@ dtype in registers (exact: |q| <= 128 fits every float format), multiplied on th
 with float32 accumulation, and the scale is applied to the accumulated row. Bytes read: the int8
 weights once. ``hadamard_rotate`` gives x the ConvRot rotation such weights expect.
 
-``gemv_group`` runs up to four weights that read the same x in one launch (a DeltaNet layer's
-four input projections, q/k/v, gate/up). What was measured slower on an H200 and removed
-(``benchmarks/int8_gemv.py``): the SiLU product computed inside the down projection's tiles
-(every program recomputes it per tile: 99 us against 33 for ``silu_mul`` + cuBLAS), the ConvRot
-rotation inside the product's tiles (two 16-wide products and layout shuffles per tile: 17 us
-against 12 for a rotation launch + the product at 4096x4096), one-row products on the CUDA
-cores instead of the tensor cores (2-3x slower), and the weight tile as the dot's left operand
-(no faster at any shape).
+``gemv_group`` runs up to four weights that read the same x in one launch (a DeltaNet layer's four
+input projections, q/k/v, gate/up). ``split=P`` cuts K into P ranges with programs of their own and
+returns float32 partials for a consumer that sums them: a 4096-wide output has only 128 programs of
+32 columns, too few to keep the memory system busy (``split_k``). What was measured slower on an
+H200 and removed (``benchmarks/int8_gemv.py``): the SiLU product computed inside the down
+projection's tiles (every program recomputes it per tile: 99 us against 33 for ``silu_mul`` +
+cuBLAS), the ConvRot rotation inside the product's tiles (two 16-wide products and layout shuffles
+per tile: 17 us against 12 for a rotation launch + the product at 4096x4096), one-row products on
+the CUDA cores instead of the tensor cores (2-3x slower), and the weight tile as the dot's left
+operand (no faster at any shape).
 """
 
 from __future__ import annotations
@@ -31,21 +34,25 @@ from .capabilities import triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 
 __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_rotate",
-           "hadamard_rotate_torch"]
+           "hadamard_rotate_torch", "split_k"]
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
 
 
 @triton.jit
-def _tile(X, W, S, Y, M, N, K, sx_m, sw_n, ss_n, sy_m, pid, QUANT: tl.constexpr, IEEE: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: tl.constexpr,
+          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          EVEN_K: tl.constexpr):
+    # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
+    pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * K_PER
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w_mask = n_ok[:, None]
@@ -64,47 +71,66 @@ def _tile(X, W, S, Y, M, N, K, sx_m, sw_n, ss_n, sy_m, pid, QUANT: tl.constexpr,
             acc += tl.dot(x, tl.trans(w))
     if QUANT:  # per-row scales (ss_n = 1) or one per tensor (ss_n = 0)
         acc *= tl.load(S + offs_n * ss_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(Y.dtype.element_ty),
+    tl.store(Y + pid_k * sy_k + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, N0, N1, N2, N3, E0, E1, E2,
-                 sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3,
+def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER, N0, N1, N2, N3, E0, E1, E2,
+                 sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
-        _tile(X, W0, S0, Y0, M, N0, K, sx_m, sw0, ss0, sy0, pid, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+              EVEN_K)
     elif COUNT > 1 and pid < E1:
-        _tile(X, W1, S1, Y1, M, N1, K, sx_m, sw1, ss1, sy1, pid - E0, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-              EVEN_K)
+        _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, QUANT, IEEE, BLOCK_M, BLOCK_N,
+              BLOCK_K, EVEN_K)
     elif COUNT > 2 and pid < E2:
-        _tile(X, W2, S2, Y2, M, N2, K, sx_m, sw2, ss2, sy2, pid - E1, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-              EVEN_K)
+        _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, QUANT, IEEE, BLOCK_M, BLOCK_N,
+              BLOCK_K, EVEN_K)
     elif COUNT > 3:
-        _tile(X, W3, S3, Y3, M, N3, K, sx_m, sw3, ss3, sy3, pid - E2, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-              EVEN_K)
+        _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, QUANT, IEEE, BLOCK_M, BLOCK_N,
+              BLOCK_K, EVEN_K)
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for N output columns in all over width K, measured on an
-    H200 at the 9B decode launches (``benchmarks/int8_gemv.py``, results in
-    ``benchmarks/results/int8_gemv_h200.json``). bf16: 32 columns per program; 128-wide K tiles and
-    5 stages for 8192..16384 columns of width < 8192, else 256-wide tiles, 4 stages. int8: 64
-    columns, 256-wide tiles for 16384 columns and more (gate+up 33 us against 36, the 248k-row
-    output projection at its floor); 32 columns, 128-wide tiles, 5 stages for a DeltaNet layer's
-    four inputs (12352 columns: 22 us against 27); else 32 columns, 256-wide tiles, 4 stages."""
+    H200 at the 9B decode launches, 1 and 4 rows (``benchmarks/int8_gemv.py``, results in
+    ``benchmarks/results/int8_gemv_h200.json``). int8: 64 columns, 256-wide tiles for 16384 columns
+    and more (gate+up, the 248k-row output projection at its floor); 32 columns, 128-wide tiles,
+    5 stages for a DeltaNet layer's four inputs (12352 columns: 18 us against 23); else 32
+    columns, 256-wide tiles, 4 stages. bf16: 128 columns, 128-wide tiles, 8 warps for the output
+    projection (444 us against 459) and the DeltaNet inputs (27 us against 31); 64 columns for
+    gate+up; 32 columns, 128-wide tiles, 5 stages for q/k/v; else 32 columns, 256-wide tiles."""
     if quant:
         if n >= 16384:
             return 64, 256, 4, 4
         if 11264 <= n < 16384 and k < 8192:
             return 32, 128, 4, 5
         return 32, 256, 4, 4
-    if k < 8192 and 8192 <= n <= 16384:
+    if n >= 65536:
+        return 128, 128, 8, 4
+    if n >= 16384:
+        return 64, 256, 4, 4
+    if 11264 <= n and k < 8192:
+        return 128, 128, 8, 4
+    if 8192 <= n and k < 8192:
         return 32, 128, 4, 5
     return 32, 256, 4, 4
+
+
+def split_k(n: int, k: int, quant: bool = False) -> int:
+    """K ranges (``gemv_group(split=)``) for one weight ``[n, k]`` whose consumer sums the float32
+    partials (``fused_ops.add_rms_norm``). Up to 8192 columns make at most 256 programs of 32
+    columns, too few to keep an H200's memory busy: int8 splits K in 4 (the 9B MLP down projection
+    17 us against 22, the 4096x4096 outputs 8.1 against 9.2), bf16 in 2 (27 against 28, 10.8
+    against 12.1); wider outputs are not split."""
+    if n > 8192:
+        return 1
+    return 4 if quant else 2
 
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,7 +177,8 @@ def _hadamard(group: int, device: torch.device, dtype: torch.dtype) -> torch.Ten
 
 
 def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[torch.Tensor] | None = None,
-               convrot: int = 0, config: tuple[int, int, int, int] | None = None) -> list[torch.Tensor]:
+               convrot: int = 0, config: tuple[int, int, int, int] | None = None,
+               split: int = 1) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch (1..4 weights ``[N_i, K]``, row-major, one dtype).
 
     x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 with
@@ -159,8 +186,13 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     ``[..., N_i]`` tensors in x's dtype (float32 accumulation). ``convrot=G``: the weights are
     ConvRot-rotated in groups of G (K a multiple of G), so x is first rotated by ``hadamard_rotate``
     (one launch more, shared by the group). ``config`` = (BLOCK_N, BLOCK_K, warps, stages)
-    overrides the choice.
+    overrides the choice. ``split=P > 1`` cuts K into P ranges with programs of their own and
+    returns float32 partial products ``[P', ..., N_i]`` (P' <= P: fewer when K has fewer tiles;
+    scale applied) whose sum over the first dim is the product, for a consumer that adds them up
+    (``fused_ops.add_rms_norm`` with ``x`` as the partials).
     """
+    if split < 1:
+        raise ValueError(f"gemv_group: split must be >= 1, got {split}")
     if not 1 <= len(weights) <= MAX_GROUP:
         raise ValueError(f"gemv_group: 1..{MAX_GROUP} weights, got {len(weights)}")
     quant = weights[0].dtype == torch.int8
@@ -178,10 +210,13 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     x2 = _rows(x, k)
     m = x2.shape[0]
     ns = [w.shape[0] for w in weights]
-    outs = [torch.empty(m, n, dtype=x.dtype, device=x.device) for n in ns]
-    ss = [s.reshape(-1) for s in scales] if quant else list(weights)  # unread unless QUANT
     block_n, block_k, warps, stages = _config(sum(ns), k, quant) if config is None else config
     block_k = min(block_k, triton.next_power_of_2(k))
+    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # a whole number of K tiles per range
+    parts = triton.cdiv(k, k_per)  # <= split (fewer when K has fewer tiles)
+    shape = (m,) if split == 1 else (parts, m)
+    outs = [torch.empty(*shape, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device) for n in ns]
+    ss = [s.reshape(-1) for s in scales] if quant else list(weights)  # unread unless QUANT
     ends, total = [], 0
     for n in ns:
         total += triton.cdiv(n, block_n)
@@ -189,13 +224,14 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     pad = MAX_GROUP - len(weights)
     ws, ys, ss = weights + [weights[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
-    _gemv_kernel[(total,)](
-        x2, *ws, *ss, *ys, m, k, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
-        *(int(quant and s.numel() > 1) for s in ss), *(y.stride(0) for y in ys),
+    _gemv_kernel[(total, parts)](
+        x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
+        *(int(quant and s.numel() > 1) for s in ss), *(y.stride(-2) for y in ys),
+        *(y.stride(0) if split > 1 else 0 for y in ys),
         COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
     )
-    return [y.reshape(*x.shape[:-1], n) for y, n in zip(outs, ns)]
+    return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, convrot: int = 0,

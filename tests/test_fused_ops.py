@@ -258,6 +258,56 @@ def test_sigmoid_gate_from_qg_view(rng):
     assert_matches(fo.sigmoid_gate(o, flat), want, TOL[torch.float32])
 
 
+# ---------------------------------------------------------------- ConvRot-rotated outputs, split-K partials
+def kitchen_rotate(t, group):
+    """comfy-kitchen's ConvRot activation rotation in float64 (the oracle for ``rotate=G``)."""
+    utils = pytest.importorskip("comfy_kitchen.tensor.int8_utils")
+    return utils._rotate_activation(t.double().cpu(), utils._build_hadamard(group, dtype=torch.float64), group)
+
+
+ROT_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu)]
+
+
+@pytest.mark.parametrize("group", [16, 64, 256])  # 16 and 256 in the kernels' tiles, 64 by a launch after
+@pytest.mark.parametrize("dtype", ROT_DTYPES)
+def test_rotated_outputs_match_kitchen(rng, group, dtype):
+    """``rotate=G``: the op's own output, then ConvRot-rotated as comfy-kitchen rotates it, one rounding;
+    the unrotated output is unchanged. Widths leave a partial silu tile and take several heads."""
+    tol = 2 * TOL[dtype]
+    x, res, w = randn(rng, 1, 3, 1536, dtype=dtype), randn(rng, 1, 3, 1536, dtype=dtype), eff_weight(rng, 1536)
+    y, h, y_rot = fo.add_rms_norm(x, res, w, EPS, rotate=group)  # 3 slices of 512 columns and an empty one
+    assert y_rot.shape == y.shape and y_rot.dtype == dtype
+    assert_matches(y, oracle_add_rms_norm(x, res, w, EPS)[0], TOL[dtype], "y")
+    assert_matches(y_rot, kitchen_rotate(y, group), tol, "y_rot")
+    assert_matches(fo.add_rms_norm_torch(x, res, w, EPS, rotate=group)[2], kitchen_rotate(y, group), tol, "twin")
+    g, u = randn(rng, 2, 1536, dtype=dtype, scale=3.0), randn(rng, 2, 1536, dtype=dtype)
+    out, out_rot = fo.silu_mul(g, u, rotate=group)
+    assert_matches(out, oracle_silu_mul(g, u), TOL[dtype], "silu")
+    assert_matches(out_rot, kitchen_rotate(out, group), tol, "silu rot")
+    o, gate = randn(rng, 1, 2, 3, 256, dtype=dtype), randn(rng, 1, 3, 512, dtype=dtype, scale=3.0)
+    out, out_rot = fo.sigmoid_gate(o, gate, rotate=group)
+    assert_matches(out, oracle_sigmoid_gate(o, gate), TOL[dtype], "gate")
+    assert_matches(out_rot, kitchen_rotate(out, group), tol, "gate rot")
+    assert_matches(fo.sigmoid_gate_torch(o, gate, rotate=group)[1], kitchen_rotate(out, group), tol, "gate twin")
+
+
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("dtype", ROT_DTYPES)
+def test_add_rms_norm_sums_partials(rng, dtype, count):
+    """float32 partial products ``[P, ..., H]`` as the residual: summed, rounded to x's dtype once
+    (as the unsplit product is), then added; the torch twin does the same."""
+    x, w = randn(rng, 1, 2, 384, dtype=dtype), eff_weight(rng, 384)
+    parts = randn(rng, count, 1, 2, 384)
+    y, h = fo.add_rms_norm(x, parts, w, EPS)
+    prod = rnd(parts.double().sum(0), dtype).to(dtype)
+    y_ref, h_ref = oracle_add_rms_norm(x, prod, w, EPS)
+    assert_matches(h, h_ref, TOL[dtype], "h")
+    assert_matches(y, y_ref, TOL[dtype], "y")
+    assert_matches(y, fo.add_rms_norm_torch(x, parts, w, EPS)[0].double(), TORCH_TOL[dtype], "twin")
+    with pytest.raises(ValueError, match="float32 partials"):
+        fo.add_rms_norm(x, parts.to(dtype) if dtype != torch.float32 else parts[:, :, :1], w, EPS)
+
+
 # ---------------------------------------------------------------- rounding points
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=gpu)])
 def test_rounding_points_match_torch(rng, dtype):

@@ -73,6 +73,27 @@ def test_convrot_argument_matches_comfy(rng, group, dtype):
         assert rel(out, x.double() @ comfy_weight(q, s, group).T) < tol(dtype)
 
 
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k_partials_sum_to_the_product(rng, split, dtype):
+    """``split=P``: float32 partials over K ranges (a K that is no tile multiple; P larger than the
+    tiles there are gives fewer partials) whose sum is x @ W.T with W as ComfyUI dequantizes it;
+    each partial alone is not, and dense weights split the same way."""
+    k, rows = 200, 3
+    x = torch.randn(rows, k, generator=rng).to(dtype)
+    qs = [rand_int8(rng, n, k) for n in (37, 16)]
+    scales = [torch.rand(q.shape[0], 1, generator=rng) * 1e-3 + 1e-4 for q in qs]
+    outs = gemv_group(x, qs, scales=scales, config=(16, 32, 4, 2), split=split)
+    for out, q, s in zip(outs, qs, scales):
+        assert out.dtype == torch.float32 and out.shape == (min(split, 7), rows, q.shape[0])
+        ref = x.double() @ comfy_weight(q, s).T
+        assert rel(out.sum(0), ref) < tol(dtype)
+        assert rel(out[0], ref) > 0.2
+    dense = torch.randn(24, k, generator=rng).to(dtype)
+    (parts,) = gemv_group(x, [dense], config=(16, 64, 4, 2), split=split)
+    assert rel(parts.sum(0), x.double() @ dense.double().T) < tol(dtype)
+
+
 def test_linear_group_mixes_formats(rng):
     """The fused path's product of one input with projections of several formats (dense in x's
     dtype, int8 with a bias, int8 with ConvRot) equals each one's own reference."""
