@@ -46,7 +46,8 @@ class Qwen35Binding:
     the hidden state fed to the MTP head: "normed" (after the model's final norm; vLLM/SGLang
     convention, default) or "prenorm". ``weight_cast`` and ``weights``: see ``bind``.
     ``plain_output``: the output projection as a ``PlainLinear`` for decode rows, set by the runner
-    stack for one generation when its fused plan resolved it (None: the module is called).
+    stack for one generation when its fused plan resolved it (None: the module is called);
+    ``plain_embedding``: likewise the embedding table ``[V, H]`` read in place (None: the module).
     """
 
     def __init__(self, transformer: Any, root: Any, config: Qwen35Config, weight_cast: WeightCast | None = None,
@@ -55,6 +56,7 @@ class Qwen35Binding:
         self.weight_cast = weight_cast
         self.weights = weights if weights is not None else StandaloneWeights()
         self.plain_output: PlainLinear | None = None
+        self.plain_embedding: torch.Tensor | None = None
         self.root = root
         self.config = config
         self.layers = list(transformer.layers)
@@ -90,8 +92,13 @@ class Qwen35Binding:
 
     # ------------------------------------------------------------------ embeddings / logits
     def embed(self, ids: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-        """Token embeddings: ids int64 ``[B,S]`` -> ``[B,S,H]`` in ``dtype`` on ``device``."""
-        out = self.transformer.embed_tokens(ids.to(device))
+        """Token embeddings: ids int64 ``[B,S]`` -> ``[B,S,H]`` in ``dtype`` on ``device`` (rows of
+        ``plain_embedding`` when the plan read the table in place: no module call per token)."""
+        ids = ids.to(device)
+        table = self.plain_embedding
+        if table is not None and table.device == ids.device:
+            return F.embedding(ids, table).to(dtype)
+        out = self.transformer.embed_tokens(ids)
         return out.to(device=device, dtype=dtype)
 
     @property

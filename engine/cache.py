@@ -114,6 +114,7 @@ class DeltaNetState:
         self.kernel = kernel
         self._states: list[torch.Tensor] | None = None
         self._window: torch.Tensor | None = None
+        self._window_from = 0  # the staged window's first column, counted in the full window
         self._rows = 0
 
     @property
@@ -125,13 +126,18 @@ class DeltaNetState:
 
         ``states``: the recurrent state after each row (``len == rows``), or only the final one
         (``len == 1``; then only ``commit(rows)`` or ``commit(0)`` are possible). ``window``: the conv
-        inputs ``[B,conv_dim,K-1+rows]`` (old window followed by the new rows).
+        inputs ``[B,conv_dim,K-1+rows]`` (old window followed by the new rows). With only the final
+        state, only the window's last K-1 columns are kept (a copy: a long prompt's whole window is
+        not held until the commit).
         """
         if self._rows:
             raise Qwen35Error(f"DeltaNetState.stage: {self._rows} staged rows not committed")
         if len(states) not in (1, rows) or window.shape[-1] != self.kernel - 1 + rows:
             raise Qwen35Error(f"DeltaNetState.stage: {len(states)} states / window of {window.shape[-1]} "
                               f"columns do not describe {rows} rows")
+        self._window_from = 0
+        if len(states) == 1 and rows > 1:
+            window, self._window_from = window[..., rows:].clone(), rows
         self._states, self._window, self._rows = states, window, rows
 
     def commit(self, n: int | None = None) -> None:
@@ -149,14 +155,15 @@ class DeltaNetState:
                 raise Qwen35Error(f"DeltaNetState.commit: only the final state of {rows} rows was kept, "
                                   f"so {n} rows cannot be committed")
             self.recurrent.copy_(state)
-            self.conv.copy_(self._window[..., n:n + self.kernel - 1])
-        self._states, self._window, self._rows = None, None, 0
+            start = n - self._window_from
+            self.conv.copy_(self._window[..., start:start + self.kernel - 1])
+        self._states, self._window, self._rows, self._window_from = None, None, 0, 0
 
     def _saved(self) -> tuple:
-        return self._states, self._window, self._rows
+        return self._states, self._window, self._rows, self._window_from
 
     def _put(self, saved: tuple) -> None:
-        self._states, self._window, self._rows = saved
+        self._states, self._window, self._rows, self._window_from = saved
 
 
 @dataclass
@@ -251,7 +258,7 @@ class ModelCache:
                 self.recurrent.copy_(states[:, n - 1])
                 self.conv.copy_(windows[..., n:n + self.kernel - 1])
             for st in deltas:
-                st._put((None, None, 0))
+                st._put((None, None, 0, 0))
         for layer in self.layers:
             if isinstance(layer, KVCache) or layer.staged:
                 layer.commit(n)
@@ -287,7 +294,7 @@ class ModelCache:
             self._staged_delta = None
         for st in self._part(part):
             if isinstance(st, DeltaNetState):
-                st._put((None, None, 0))
+                st._put((None, None, 0, 0))
             elif st.staged:
                 if lengths_moved:
                     st.length.sub_(st.staged)

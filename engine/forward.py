@@ -111,7 +111,7 @@ class Runner:
                                       cfg.num_key_value_heads)
         lengths = kv.write(k, v)
         o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=self.attention)
-        return self.fused.lin(attn.o_proj, self.fused.gate(o, gate))
+        return self.fused.gate_out(attn.o_proj, o, gate)
 
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Stage S rows of the MTP head in ``cache.mtp``: hidden, emb ``[B,S,H]`` -> normed ``[B,S,H]``.

@@ -9,6 +9,12 @@ and gated norm; attention: q/k RMSNorm + RoPE, the length-aware decode kernel, t
 residual add + RMSNorm, and the MLP with a fused SiLU-multiply. The torch path in ``forward.py``
 computes the same function (prefill always uses it).
 
+Two launch savings for ComfyUI's int8 ConvRot weights and the 4096-wide outputs: the norm, SiLU
+and gate kernels also write their output ConvRot-rotated when int8 ConvRot projections read it
+(``norm_rotation``; the projections then skip their own rotation launch), and a projection whose
+output only feeds the next norm (``into_norm``: DeltaNet out, attention o, MLP down) returns
+split-K float32 partials (``kernels.gemv.split_k``) that the norm kernel sums.
+
 ``FusedPlan.build`` reads the norm weights once (as each norm module would apply them), resolves
 the projections, and says why fusion is impossible when a module is not the plain Qwen3.5 kind
 (an unknown norm class, norm/conv weights the hook cannot read in place, no usable Triton).
@@ -89,6 +95,17 @@ def _projections(binding) -> list[tuple[str, object]]:
     return [(n, m) for n, m in out if m is not None]
 
 
+def _embedding_table(weights, module, device: torch.device) -> torch.Tensor | None:
+    """The embedding module's table ``[V, H]`` when a lookup of it equals the module's call (a plain
+    float matrix on ``device``, no max_norm, no per-call work), else None (the module is called)."""
+    w = getattr(module, "weight", None)
+    if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 2 or not w.is_floating_point():
+        return None
+    if getattr(module, "max_norm", None) is not None or w.device != device:
+        return None
+    return w.detach() if weights.tensor_reason(module, device) is None else None
+
+
 class FusedPlan:
     """Prepared constants of the fused path: per layer the input/post norm weights, and for DeltaNet
     layers the conv weight ``[C,K]`` and gated-norm weight; for attention layers the q/k norm
@@ -107,6 +124,11 @@ class FusedPlan:
         self.unresolved_modules = unresolved_modules or {}  # name -> the module called instead
         self.output = output
         self.formats = formats or {}  # "int8" / dtype name -> count of resolved projections
+        # ConvRot: the group size the int8 projections fed by each norm expect (the norm's kernel
+        # writes its output rotated too), and the most recent such output: (y, G, y rotated).
+        self.norm_rotation: dict[str, int] = {}
+        self._rotated: tuple | None = None
+        self.embedding: torch.Tensor | None = None  # the embedding table read in place, or None
 
     @classmethod
     def build(cls, binding, device, dtype: torch.dtype) -> tuple[FusedPlan | None, str | None]:
@@ -175,7 +197,35 @@ class FusedPlan:
             formats[kind] = formats.get(kind, 0) + 1
             if mod is binding.output_module:
                 output = plain
-        return cls(ops, norms, convs, mlps, eps.pop(), linears, unresolved, output, formats, modules), None
+        plan = cls(ops, norms, convs, mlps, eps.pop(), linears, unresolved, output, formats, modules)
+        plan.norm_rotation = plan._norm_rotations(binding)
+        plan.embedding = _embedding_table(weights, binding.transformer.embed_tokens, device)
+        return plan, None
+
+    def _rotation_of(self, modules) -> int:
+        """The ConvRot group size of the first int8 ConvRot projection among ``modules`` (0: none)."""
+        for m in modules:
+            plain = self.linears.get(id(m))
+            if plain is not None and plain.quantized and plain.convrot:
+                return plain.convrot
+        return 0
+
+    def _norm_rotations(self, binding) -> dict[str, int]:
+        """``norm key -> G`` for the norms whose output feeds int8 ConvRot-G projections directly."""
+        cfg, out = binding.config, {}
+        layers = [(f"layers.{i}", layer, cfg.layer_types[i]) for i, layer in enumerate(binding.layers)]
+        if binding.mtp is not None:
+            layers.append(("mtp.layers.0", binding.mtp.layers[0], "full_attention"))
+        for prefix, layer, kind in layers:
+            if kind == "linear_attention":
+                la = layer.linear_attn
+                mixer = (la.in_proj_qkv, la.in_proj_z, la.in_proj_a, la.in_proj_b)
+            else:
+                mixer = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            out[f"{prefix}.input_layernorm"] = self._rotation_of(mixer)
+            out[f"{prefix}.post_attention_layernorm"] = self._rotation_of(
+                (getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None)))
+        return {k: g for k, g in out.items() if g}
 
     def describe(self) -> str:
         """One line: how many projections are read in place (by format) and which are not, and why."""
@@ -191,28 +241,52 @@ class FusedPlan:
             line += "; through their module call (slower): " + "; ".join(parts)
         return line
 
-    def lin(self, module, x: torch.Tensor) -> torch.Tensor:
-        """One projection of decode rows: in place when resolved, else the module's own call."""
+    def lin(self, module, x: torch.Tensor, rotated=None, *, into_norm: bool = False) -> torch.Tensor:
+        """One projection of decode rows: in place when resolved, else the module's own call.
+        ``rotated``: ``(G, x rotated)`` when the producer of x rotated it. ``into_norm``: the output
+        only feeds ``norm`` as its residual, so a split-K product may return its float32 partials."""
         plain = self.linears.get(id(module))
-        return module(x) if plain is None else linear_rows(x, plain)
+        if plain is None:
+            return module(x)
+        split = self._split(plain) if into_norm else 1
+        return linear_rows(x, plain, rotated=rotated, split=split)
+
+    def _split(self, plain) -> int:
+        from ..kernels import gemv
+
+        return gemv.split_k(plain.weight.shape[0], plain.weight.shape[1], plain.quantized)
 
     def lins(self, modules, x: torch.Tensor) -> list[torch.Tensor]:
-        """Projections of the same rows x (grouped into one launch where they are int8)."""
+        """Projections of the same rows x (grouped into one launch where they are int8; x's rotated
+        twin from the norm that produced it, when there is one)."""
         plains = [self.linears.get(id(m)) for m in modules]
         if all(p is not None for p in plains):
-            return linear_group(x, plains)
+            last = self._rotated
+            rotated = (last[1], last[2]) if last is not None and last[0] is x else None
+            return linear_group(x, plains, rotated=rotated)
         return [self.lin(m, x) for m in modules]
 
     # ------------------------------------------------------------------ building blocks
     def norm(self, key: str, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``(rms_norm(x + residual), x + residual)`` with the weight of norm ``key``. x ``[B,S,H]``."""
-        return self.ops.add_rms_norm(x, residual, self.norms[key], self.eps)
+        """``(rms_norm(x + residual), x + residual)`` with the weight of norm ``key``. x ``[B,S,H]``;
+        residual ``[B,S,H]`` or a split-K product's float32 partials ``[P,B,S,H]``. Where int8
+        ConvRot projections read the output, the kernel also writes it rotated (kept for ``lins``)."""
+        group = self.norm_rotation.get(key, 0)
+        if not group:
+            return self.ops.add_rms_norm(x, residual, self.norms[key], self.eps)
+        y, h, y_rot = self.ops.add_rms_norm(x, residual, self.norms[key], self.eps, rotate=group)
+        self._rotated = (y, group, y_rot)
+        return y, h
 
     def mlp(self, key, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: x ``[B,S,H]`` -> ``[B,S,H]``."""
+        """SwiGLU: x ``[B,S,H]`` -> ``[B,S,H]`` (or split-K partials ``[P,B,S,H]``, for ``norm``)."""
         gate, up, down = self.mlps[key]
         g, u = self.lins((gate, up), x)
-        return self.lin(down, self.ops.silu_mul(g, u))
+        group = self._rotation_of((down,))
+        if not group:
+            return self.lin(down, self.ops.silu_mul(g, u), into_norm=True)
+        act, act_rot = self.ops.silu_mul(g, u, rotate=group)
+        return self.lin(down, act, (group, act_rot), into_norm=True)
 
     def qk(self, prefix: str, attn, xn: torch.Tensor, cos, sin, head_dim: int, hq: int, hkv: int):
         """q ``[B,Hq,S,D]``, k ``[B,Hkv,S,D]`` (normed, rotated), v ``[B,Hkv,S,D]`` view, gate ``[B,S,Hq,D]`` view."""
@@ -225,9 +299,14 @@ class FusedPlan:
         k = self.ops.rms_norm_rope(k, self.norms[f"{prefix}.k_norm"], self.eps, cos, sin)
         return q, k, v, qg[..., head_dim:]
 
-    def gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o ``[B,Hq,S,D]`` * sigmoid(gate ``[B,S,Hq,D]``) -> ``[B,S,Hq*D]``."""
-        return self.ops.sigmoid_gate(o, gate)
+    def gate_out(self, o_proj, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``o_proj(o * sigmoid(gate))``: o ``[B,Hq,S,D]``, gate ``[B,S,Hq,D]`` -> ``[B,S,H]`` (or
+        split-K partials, for ``norm``); the gate kernel rotates its output for an int8 ConvRot o_proj."""
+        group = self._rotation_of((o_proj,))
+        if not group:
+            return self.lin(o_proj, self.ops.sigmoid_gate(o, gate), into_norm=True)
+        out, out_rot = self.ops.sigmoid_gate(o, gate, rotate=group)
+        return self.lin(o_proj, out, (group, out_rot), into_norm=True)
 
     def deltanet(self, i: int, la, xn: torch.Tensor, state, neg_a, dt_bias, key_heads: int,
                  states_out: torch.Tensor, window_out: torch.Tensor) -> torch.Tensor:
@@ -238,4 +317,4 @@ class FusedPlan:
             qkv, z, a, b, state.conv, self.convs[i],
             neg_a, dt_bias, state.recurrent, self.norms[f"layers.{i}.linear_attn.norm"], self.eps,
             key_heads=key_heads, states_out=states_out, window_out=window_out)
-        return self.lin(la.out_proj, out)
+        return self.lin(la.out_proj, out, into_norm=True)

@@ -44,16 +44,34 @@ def _kernels():
     return gemv
 
 
-def linear_rows(x: torch.Tensor, w: PlainLinear) -> torch.Tensor:
-    """x ``[..., K]`` (at most 16 rows in all, execution dtype) -> ``[..., N]`` in x's dtype."""
-    return linear_group(x, [w])[0]
+def linear_rows(x: torch.Tensor, w: PlainLinear, *, rotated: tuple[int, torch.Tensor] | None = None,
+                split: int = 1) -> torch.Tensor:
+    """x ``[..., K]`` (at most 16 rows in all, execution dtype) -> ``[..., N]`` in x's dtype.
+    ``rotated`` as for ``linear_group``. ``split=P > 1`` with a bias-free weight the GEMV takes:
+    float32 partial products ``[P', ..., N]`` over K ranges instead (``kernels.gemv.gemv_group``),
+    for a consumer that sums them (``fused_ops.add_rms_norm``); otherwise the product as usual."""
+    gemv = _kernels()
+    if split > 1 and w.bias is None and gemv.gemv_reason(x, w.weight, w.scale) is None:
+        src, rot = _source(x, w.convrot, rotated)
+        return gemv.gemv_group(src, [w.weight], scales=None if w.scale is None else [w.scale], convrot=rot,
+                               split=split)[0]
+    return linear_group(x, [w], rotated=rotated)[0]
 
 
-def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear]) -> list[torch.Tensor]:
+def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, int]:
+    """(the rows a ConvRot-``group`` product reads, the rotation it must still apply)."""
+    if group and rotated is not None and rotated[0] == group:
+        return rotated[1], 0
+    return x, group
+
+
+def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
+                 rotated: tuple[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """``[linear_rows(x, w) for w in weights]`` as few launches: the Triton GEMV takes up to four
     weights of one kind per launch (int8 of one ConvRot group size, x rotated once for them; or
     weights in x's dtype); weights it cannot take (another dtype) go through ``F.linear``.
-    x ``[..., K]``, at most 16 rows."""
+    x ``[..., K]``, at most 16 rows. ``rotated=(G, x_rot)``: x already ConvRot-rotated in groups of
+    G (by the kernel that produced x): the ConvRot-G weights read x_rot, no rotation launch."""
     gemv = _kernels()
     outs: list[torch.Tensor | None] = [None] * len(weights)
     kinds: dict[tuple, list[int]] = {}
@@ -66,11 +84,12 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear]) -> list[torch.
         else:
             outs[i] = F.linear(x, w.weight, w.bias)
     for (_, group), idx in kinds.items():
+        src, rot = _source(x, group, rotated)
         for start in range(0, len(idx), gemv.MAX_GROUP):
             part = idx[start:start + gemv.MAX_GROUP]
-            ys = gemv.gemv_group(x, [weights[i].weight for i in part],
+            ys = gemv.gemv_group(src, [weights[i].weight for i in part],
                                  scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
-                                 convrot=group)
+                                 convrot=rot)
             for i, y in zip(part, ys):
                 b = weights[i].bias
                 outs[i] = y if b is None else y + b

@@ -60,6 +60,7 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
                        fill=cache_fill)
     plan, no_plan = fused_plan(fused, binding, device, dtype)
     binding.plain_output = None if plan is None else plan.output
+    binding.plain_embedding = None if plan is None else plan.embedding
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
     blocker = graph_blocker(binding, torch.device(device), dtype, attention, plan) if cuda_graphs else None
     if blocker is not None:

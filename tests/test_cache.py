@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -66,11 +68,17 @@ def test_deltanet_state_commit_picks_row(rng):
     st.commit(2)
     torch.testing.assert_close(st.recurrent, states[1], rtol=0, atol=0)
     torch.testing.assert_close(st.conv, window[..., 2:5], rtol=0, atol=0)
-    st.stage([states[2]], torch.randn(1, 5, 3 + 7, generator=rng), 7)  # prefill: final state only
+    long = torch.randn(1, 5, 3 + 7, generator=rng)
+    tail, held = long[..., 7:].clone(), weakref.ref(long)
+    st.stage([states[2]], long, 7)  # prefill: final state only
+    del long
+    gc.collect()
+    assert held() is None  # staging a prompt does not hold its whole conv window until the commit
     with pytest.raises(Qwen35Error, match="only the final state"):
         st.commit(3)
     st.commit(7)
     torch.testing.assert_close(st.recurrent, states[2], rtol=0, atol=0)
+    torch.testing.assert_close(st.conv, tail, rtol=0, atol=0)
     snap = (st.recurrent.clone(), st.conv.clone())
     st.stage(states, window, 3)
     st.commit(0)

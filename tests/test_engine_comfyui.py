@@ -94,20 +94,29 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
 
 
-@pytest.mark.parametrize("fmt", ["float", "int8_convrot"])
-def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt):
+@pytest.mark.parametrize("fmt", ["float", "int8_convrot", "int8_convrot256"])
+def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     """ComfyUI's own modules as its loader leaves them (``manual_cast`` ops, or ``MixedPrecisionOps``
     with int8_tensorwise + ConvRot weights; ``comfy_cast_weights`` / ``comfy_force_cast_weights`` set
     as ``ModelPatcher.load`` writes them on a CLIP): the fused plan reads every projection in place (nothing left
     on the module path) and its greedy tokens, MTP off and depth 3, equal the module path's, where
     ComfyUI itself dequantizes (``_full_precision_mm``: weight-only, like the fast path). CPU, Triton
-    interpreter."""
+    interpreter. ``int8_convrot256``: ComfyUI's default group of 256 on a model 256 wide (head_dim 256),
+    so the norm, SiLU and gate kernels rotate in their own tiles, and the products that feed a norm
+    split over K (float32 partials summed by the norm)."""
     from qwen35_fast.engine.fused import FusedPlan
+    from qwen35_fast.kernels import gemv
 
     ops, _ = comfy
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    sd, d = make_tiny(seed, strength=0.5)
-    layout = None if fmt == "float" else (lambda sd: int8_convrot(sd, group=16))
+    wide = dict(hidden_size=256, intermediate_size=256, head_dim=256, linear_value_head_dim=64) \
+        if fmt == "int8_convrot256" else {}
+    sd, d = make_tiny(seed, strength=0.5, **wide)
+    if wide:
+        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False: 2)
+        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False: (16, 64, 4, 2))  # 256 = 4 tiles: 2 partials
+    group = 256 if wide else 16
+    layout = None if fmt == "float" else (lambda sd: int8_convrot(sd, group=group))
     model = _comfy_model(comfy, sd, d, ops=ops.manual_cast if layout is None else ops.mixed_precision_ops(
         {}, torch.float32), layout=layout)
     for m in model.modules():  # the flags ModelPatcher.load writes on a CLIP's modules (say "may cast")
@@ -124,12 +133,20 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt):
     assert plan.unresolved == {}, plan.describe()
     if layout is not None:
         assert plan.formats.get("int8+ConvRot") == 3 * (5 + 3) + (4 + 3) + 1, plan.formats  # lm_head; MTP float
+        assert set(plan.norm_rotation.values()) == {group} and len(plan.norm_rotation) == 2 * 4, plan.norm_rotation
         for m in model.modules():
             if getattr(m, "quant_format", None) == "int8_tensorwise":
                 m._full_precision_mm = True  # the module path: ComfyUI dequantizes, then a float matmul
     emb = torch.randn(11, d["hidden_size"], generator=rng)
     for mtp in ("off", 3):
-        kw = dict(do_sample=False, max_length=12, mtp=mtp, stop_tokens=[], execution_dtype=torch.float32,
-                  attention="torch", cuda_graphs=False)
+        kw = dict(do_sample=False, max_length=8 if wide else 12, mtp=mtp, stop_tokens=[],
+                  execution_dtype=torch.float32, attention="torch", cuda_graphs=False)
         fused = generate(model, emb, **BIND, fused=True, **kw)
         assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens, mtp
+    if wide:  # the producers' rotated outputs are used: rotation launches only for the DeltaNet outputs and lm_head
+        rotations, rotate = [], gemv.hadamard_rotate
+        monkeypatch.setattr(gemv, "hadamard_rotate", lambda x, h: rotations.append(1) or rotate(x, h))
+        out = generate(model, emb, **BIND, fused=True, **dict(kw, mtp="off", max_length=5))
+        deltanet = sum(t == "linear_attention" for t in bind(model).config.layer_types)
+        # per decode step the DeltaNet outputs and lm_head; once more lm_head for the prompt's last row
+        assert len(rotations) == (deltanet + 1) * (len(out.tokens) - 1) + 1, len(rotations)

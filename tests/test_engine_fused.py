@@ -54,7 +54,19 @@ def _states(cache):
             for x in cache.layers]
 
 
-def test_fused_rows_match_torch_path(model, rng):
+@pytest.fixture(params=["unsplit", "split-K"])
+def split(request, monkeypatch):
+    """The products as ``kernels.gemv`` picks them, or the outputs that feed a norm split over K
+    (3 ranges of 32-wide tiles, so a 64- or 96-wide K gives 2 or 3 float32 partials)."""
+    if request.param == "split-K":
+        from qwen35_fast.kernels import gemv
+
+        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False: 3)
+        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False: (16, 32, 4, 2))
+    return request.param
+
+
+def test_fused_rows_match_torch_path(model, rng, split):
     model, d = model
     prompt = torch.randn(1, 11, d["hidden_size"], generator=rng)
     plain, fused = _runners(model, prompt)
@@ -95,6 +107,25 @@ def test_fused_generation_equals_torch_path(model, rng, mtp):
     assert fused.tokens == plain.tokens
     if mtp != "off":
         assert fused.stats.accepted == plain.stats.accepted and fused.stats.accepted > 0
+
+
+def test_fused_decode_reads_the_embedding_table_in_place(model, rng):
+    """With the fused plan, a decode step looks up its token in the embedding table the plan read
+    in place (no module call per token); without it, the module is called. Same tokens."""
+    model, d = model
+    emb = model.model.embed_tokens
+    calls = []
+    hook = emb.register_forward_hook(lambda mod, args, out: calls.append(1))
+    prompt = torch.randn(1, 9, d["hidden_size"], generator=rng)
+    kw = dict(do_sample=False, max_length=6, stop_tokens=[], mtp="off", attention="torch")
+    try:
+        fused = generate(model, prompt, fused=True, **kw)
+        assert calls == []
+        plain = generate(model, prompt, fused=False, **kw)
+        assert len(calls) >= 5
+    finally:
+        hook.remove()
+    assert fused.tokens == plain.tokens
 
 
 def test_plan_refuses_unknown_modules(model, rng):
