@@ -29,11 +29,14 @@ progress-bar updates (both core and the pack report every token; a generation's 
 capture its CUDA graphs, about 0.1-0.5 s once per generation); a warm-up generation first,
 then rows in interleaved order per max_length. Floor = bytes one decode step reads (every weight
 but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allocated per row.
+``--memory``: at the first max_length, what the core and pack rows themselves allocate at their
+peak, by call site (``benchmarks/memory_peak.py``). ``--profile``: the kernels of an eager 1-row
+step and the host's Python functions per token of a generation (cProfile), per format.
 
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
-        [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile]
+        [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
 
@@ -58,6 +61,7 @@ from qwen35_fast.engine import Qwen35Config  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from benchmarks.decode_e2e import build_model, config_9b  # noqa: E402
+from benchmarks.memory_peak import PeakProbe  # noqa: E402
 
 log = logging.getLogger("comfy_e2e")
 HF = "model.language_model."
@@ -235,6 +239,12 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         rows.append(r)
         print(f"{fmt:>5} {kind:>13} max_length {max_length:>6}: {tok_s:8.1f} tok/s {r['ms_per_token']:7.2f} ms/token "
               f"peak {r['peak_gb']:6.2f} GB floor {floor_ms:.2f} ms ({r['floor_pct']:.0f}%)", flush=True)
+        if "peak_allocations" in r:
+            mem = r["peak_allocations"]
+            print(f"      allocated by the row at its peak: {mem['peak_bytes'] / 2**30:.2f} GB; largest:", flush=True)
+            for a in mem["by_site"][:8]:
+                print(f"      {a['bytes'] / 2**20:9.1f} MiB in {a['count']:4d}  {' < '.join(a['where'][:3])}",
+                      flush=True)
 
     greedy = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
                   presence_penalty=0.0)
@@ -245,25 +255,38 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     if args.profile:
         from benchmarks.decode_e2e import profile_steps
 
-        prof = profile_steps(target.transformer, embeds, attention="auto", fused="auto", top=25,
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the pack's execution dtype
+        prof = profile_steps(target.transformer, embeds.to(dtype), attention="auto", fused="auto", top=25,
                              weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS)
         rows.append({"format": fmt, "kind": "profile", **prof})
         print(f"{fmt:>5} eager 1-row step: {prof['launches_per_step']:.0f} launches, "
               f"{prof['kernel_us_per_step'] / 1e3:.2f} ms of kernels", flush=True)
         for k in prof["top"]:
             print(f"      {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['kernel']}", flush=True)
+        n = min(120, args.tokens)
+        host = host_profile(lambda: clock.run(lambda: patched.generate(tokens, max_length=4096, **greedy), n), n)
+        rows.append({"format": fmt, "kind": "host_profile", **host})
+        print(f"{fmt:>5} host, per token of a generation (cProfile, graphs on):", flush=True)
+        for f in host["top"][:22]:
+            print(f"      {f['cum_us']:8.1f} us cum {f['self_us']:8.1f} us self  x{f['calls']:5.1f}  {f['function']}",
+                  flush=True)
 
     for max_length in args.max_lengths:
         order = [k for k in ("pack", "forced3", "core") if k in args.kinds
                  and (k != "core" or max_length in args.core_max_lengths)]
         for kind in order:
             reset_peak()
+            probe = PeakProbe(args.memory and max_length == args.max_lengths[0] and kind in ("core", "pack"))
             if kind == "core":
-                tok_s = clock.run(lambda m=max_length: clip.generate(tokens, max_length=m, **greedy), args.core_tokens)
-                row("core", max_length, tok_s)
+                with probe:
+                    tok_s = clock.run(lambda m=max_length: clip.generate(tokens, max_length=m, **greedy),
+                                      args.core_tokens)
+                row("core", max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
             elif kind == "pack":
-                tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **greedy), args.tokens)
-                row("pack", max_length, tok_s)
+                with probe:
+                    tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **greedy),
+                                      args.tokens)
+                row("pack", max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
             else:
                 # The MTP-off token sequence (the drafts to force), then depth 3 with those drafts.
                 drafts = list(bridge.run_engine(target, embeds, max_length=args.tokens + 8, mtp="off", **greedy))
@@ -296,6 +319,24 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     return rows
 
 
+def host_profile(fn, tokens: int, top: int = 40) -> dict:
+    """Python functions of ``fn()`` (a generation of ``tokens`` tokens) by cumulative time per
+    token (cProfile: its own overhead inflates every call, so read shares, not absolute times)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [{"function": f"{Path(file).parent.name}/{Path(file).name}:{line} {name}", "calls": nc / tokens,
+             "self_us": tt / tokens * 1e6, "cum_us": ct / tokens * 1e6}
+            for (file, line, name), (_cc, nc, tt, ct, _callers) in stats.items()]
+    rows.sort(key=lambda r: -r["cum_us"])
+    return {"tokens": tokens, "top": rows[:top]}
+
+
 def embeds_like(model, n: int):
     """A prompt of ``n`` token embeddings ``[1, n, H]`` (bf16) for the standalone model."""
     ids = torch.arange(n, device=model.model.embed_tokens.weight.device) % 5000 + 1000
@@ -309,7 +350,7 @@ def markdown(run: dict) -> str:
              "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB |",
              "|---|---|---|---|---|---|---|"]
     for r in run["rows"]:
-        if r["kind"] == "profile":  # --profile's kernel list, not a timed row
+        if r["kind"] in ("profile", "host_profile"):  # --profile's kernel and host lists, not timed rows
             continue
         # The floor is one step's weight read; forced MTP rows make 4 tokens a step (plus 3 head steps).
         pct = "per step" if "forced" in r["kind"] else f"{r['floor_pct']:.0f}%"
@@ -333,6 +374,8 @@ def main() -> None:
     ap.add_argument("--dynamic", action="store_true", help="load through DynamicVRAM (needs comfy-aimdo)")
     ap.add_argument("--profile", action="store_true",
                     help="also list the kernels of an eager 1-row decode step per format (torch profiler)")
+    ap.add_argument("--memory", action="store_true",
+                    help="at the first max_length, list what the core and pack rows allocate at their peak")
     ap.add_argument("--json", default="comfy_e2e.json")
     ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()

@@ -1,19 +1,24 @@
 """Decode-row products at the Qwen3.5-9B shapes (GPU), launch by launch as the fused plan runs
-them (``engine/fused.py``): the projections that share an input as one group; the down projection
-takes ``silu_mul``'s output.
+them (``engine/fused.py``): the projections that share an input as one group.
 
 Per group and row count:
 
-- ``bf16``: the bf16 weights through cuBLAS (``F.linear`` per weight, ``silu_mul`` first for down);
+- ``bf16``: the bf16 weights through cuBLAS (``F.linear`` per weight);
 - ``bf16_triton``: the same weights through one ``gemv_group`` launch, per launch config;
-- ``int8``: ConvRot int8 weights: the rotation launch (``hadamard_rotate``, after ``silu_mul`` for
-  down) and one ``gemv_group`` launch, per launch config.
+- ``int8``: ConvRot int8 weights through one ``gemv_group`` launch on x already rotated (the norm,
+  SiLU and gate kernels write their output rotated), per launch config; ``rotate_us``: the
+  rotation launch the plan still makes for the DeltaNet output (its kernel owns one 128-wide head,
+  half a group) and for the ``lm_head`` input;
+- ``*_split``: for the single projections whose output feeds a norm (DeltaNet out, attention o,
+  MLP down), the picked config with K split in P ranges (float32 partials the norm sums).
 
-``*`` marks the config ``kernels.gemv._config`` picks. Timed like ``benchmarks/gemv.py``: one graph
-chains launches over enough distinct weight copies (>= 256 MB) that nothing is served from L2;
-medians of replays; floor = int8 weight bytes (N*K + the scales) / measured copy bandwidth, the
-bf16 floor twice that. ``rel_err``: the int8 product against float64 from ComfyUI's own
-dequantization input (the rotated x rounded once, int8 times the scale).
+``*`` marks what ``kernels.gemv`` picks (``_config``, ``split_k``). The producers themselves
+(norm, SiLU, gate) are not timed here; ``benchmarks/comfy_e2e.py --profile`` lists a whole step.
+Timed like ``benchmarks/gemv.py``: one graph chains launches over enough distinct weight copies
+(>= 256 MB) that nothing is served from L2; medians of replays; floor = int8 weight bytes (N*K +
+the scales) / measured copy bandwidth, the bf16 floor twice that. ``rel_err``: the int8 product
+against float64 from ComfyUI's own dequantization input (the rotated x rounded once, int8 times
+the scale).
 
 Usage: python benchmarks/int8_gemv.py [--rows 1 4] [--json out.json]
 """
@@ -33,36 +38,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _standalone import load_pack  # noqa: E402
 
 load_pack()
-from qwen35_fast.kernels.fused_ops import silu_mul  # noqa: E402
-from qwen35_fast.kernels.gemv import _config, gemv_group, hadamard, hadamard_rotate  # noqa: E402
+from qwen35_fast.kernels.gemv import _config, gemv_group, hadamard, hadamard_rotate, split_k  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from benchmarks.timing import chained_us  # noqa: E402
 
-#: (name, output widths of the group, K, launches per 9B decode step, silu_mul in front)
-GROUPS = [("deltanet in (qkv z a b)", [8192, 4096, 32, 32], 4096, 24, False),
-          ("deltanet out", [4096], 4096, 24, False),
-          ("attn in (q k v)", [8192, 1024, 1024], 4096, 8, False),
-          ("attn o", [4096], 4096, 8, False),
-          ("mlp gate up", [12288, 12288], 4096, 32, False),
-          ("mlp down", [4096], 12288, 32, True),
-          ("lm_head", [248320], 4096, 1, False)]
+#: (name, output widths of the group, K, launches per 9B decode step, feeds a norm, rotation launch)
+GROUPS = [("deltanet in (qkv z a b)", [8192, 4096, 32, 32], 4096, 24, False, False),
+          ("deltanet out", [4096], 4096, 24, True, True),
+          ("attn in (q k v)", [8192, 1024, 1024], 4096, 8, False, False),
+          ("attn o", [4096], 4096, 8, True, False),
+          ("mlp gate up", [12288, 12288], 4096, 32, False, False),
+          ("mlp down", [4096], 12288, 32, True, False),
+          ("lm_head", [248320], 4096, 1, False, True)]
 #: (BLOCK_N, BLOCK_K, warps, stages)
 CONFIGS = [(32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (32, 128, 4, 5), (16, 256, 4, 4), (64, 128, 4, 6),
-           (128, 128, 8, 4)]
+           (128, 128, 8, 4), (32, 256, 8, 4), (64, 256, 8, 4), (32, 512, 8, 3), (16, 512, 4, 3)]
+SPLITS = [2, 3, 4, 6, 8]
 GROUP = 256
 
 
-def sweep(fn, picked, sets) -> dict:
-    """``{config: us}`` for the picked config (key marked ``*``) and ``CONFIGS`` (a config the GPU
+def sweep(fn, picked, sets, configs=CONFIGS) -> dict:
+    """``{config: us}`` for the picked config (key marked ``*``) and ``configs`` (a config the GPU
     cannot launch, out of shared memory, is left out)."""
     out = {}
-    for cfg in [picked] + [c for c in CONFIGS if c != picked]:
+    for cfg in [picked] + [c for c in configs if c != picked]:
         try:
             out[str(cfg) + ("*" if cfg == picked else "")] = chained_us(lambda ws, cfg=cfg: fn(ws, cfg), sets)
         except triton.runtime.errors.OutOfResources:
             torch.cuda.synchronize()
     return out
+
+
+def comfy_dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``[N, K]``: ComfyUI's dequantization of the ConvRot int8 rows (comfy-kitchen's own)."""
+    from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
+
+    params = TensorWiseINT8Layout.Params(scale=scale.reshape(-1, 1), orig_dtype=torch.float32,
+                                         orig_shape=tuple(q.shape), convrot=True, convrot_groupsize=GROUP)
+    return QuantizedTensor(q, "TensorWiseINT8Layout", params).dequantize().double()
 
 
 def main() -> None:
@@ -77,53 +91,65 @@ def main() -> None:
     for rows in args.rows:
         step = {"floor": 0.0, "bf16": 0.0, "bf16_triton_picked": 0.0, "bf16_triton_best": 0.0, "int8_picked": 0.0,
                 "int8_best": 0.0}
-        for name, ns, k, uses, glu in GROUPS:
+        for name, ns, k, uses, into_norm, rotation in GROUPS:
             nbytes = sum(n * k + 4 * n for n in ns)
             copies = max(2, -(-(256 << 20) // nbytes))
             gen = torch.Generator(device="cuda").manual_seed(0)
             sets = [[torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen) for n in ns]
                     for _ in range(copies)]
-            scales = [torch.rand(n, device="cuda", generator=gen) * 1e-3 for n in ns]
+            scales = [torch.rand(n, device="cuda", generator=gen) * 1e-3 + 1e-4 for n in ns]
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            u = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-            def act():
-                return silu_mul(x, u) if glu else x
-
-            ref = hadamard_rotate(act(), h).double() @ (sets[0][0].double() * scales[0].double()[:, None]).T
-            got = gemv_group(act(), sets[0], scales=scales, convrot=GROUP)[0]
+            xr = hadamard_rotate(x, h)
+            ref = x.double() @ comfy_dequantized(sets[0][0][:4096], scales[0][:4096]).T  # the first 4096 rows
+            got = gemv_group(xr, sets[0], scales=scales)[0][:, :4096]
             err = ((got.double() - ref).norm() / ref.norm()).item()
             floor = nbytes / bw * 1e6
             dense = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) for n in ns]
                      for _ in range(max(2, copies // 2))]
 
             def cublas(ws):
-                a = act()
                 for w in ws:
-                    F.linear(a, w)
+                    F.linear(x, w)
 
             row = {"rows": rows, "group": name, "ns": ns, "k": k, "uses": uses, "floor_us": floor, "rel_err": err,
                    "bf16_us": chained_us(cublas, dense),
-                   "bf16_triton_us": sweep(lambda ws, cfg: gemv_group(act(), ws, config=cfg),
-                                           _config(sum(ns), k), dense)}
+                   "bf16_triton_us": sweep(lambda ws, cfg: gemv_group(x, ws, config=cfg), _config(sum(ns), k), dense)}
+            if into_norm:
+                pick = _config(sum(ns), k)
+                row["bf16_triton_split_us"] = {
+                    f"{pick} split {p}" + ("*" if p == split_k(ns[0], k) else ""):
+                        chained_us(lambda ws, p=p: gemv_group(x, ws, config=pick, split=p), dense) for p in SPLITS}
             del dense
-            row["int8_us"] = sweep(lambda ws, cfg: gemv_group(act(), ws, scales=scales, convrot=GROUP, config=cfg),
+            row["int8_us"] = sweep(lambda ws, cfg: gemv_group(xr, ws, scales=scales, config=cfg),
                                    _config(sum(ns), k, True), sets)
+            if into_norm:
+                pick = _config(sum(ns), k, True)
+                row["int8_split_us"] = {}
+                for cfg in (pick, (32, 256, 8, 4), (64, 256, 4, 4)):
+                    for p in SPLITS:
+                        key = f"{cfg} split {p}" + ("*" if cfg == pick and p == split_k(ns[0], k, True) else "")
+                        row["int8_split_us"][key] = chained_us(
+                            lambda ws, p=p, cfg=cfg: gemv_group(xr, ws, scales=scales, config=cfg, split=p), sets)
+            row["rotate_us"] = chained_us(lambda _: hadamard_rotate(x, h), range(64)) if rotation else 0.0
             del sets
             picks = {}
-            for kind in ("bf16_triton", "int8"):
-                us = row[f"{kind}_us"]
-                picks[kind] = (next(v for key, v in us.items() if key.endswith("*")),
-                               min(us.items(), key=lambda kv: kv[1]))
-                step[f"{kind}_picked"] += uses * picks[kind][0]
-                step[f"{kind}_best"] += uses * picks[kind][1][1]
+            for kind, quant in (("bf16_triton", False), ("int8", True)):
+                us = dict(row[f"{kind}_us"], **row.get(f"{kind}_split_us", {}))
+                if into_norm and split_k(ns[0], k, quant) > 1:  # the plan runs the split launch
+                    us = {key: v for key, v in us.items() if "split" in key or not key.endswith("*")}
+                    us.update({key.rstrip("*"): v for key, v in row[f"{kind}_us"].items()})
+                picked = [v for key, v in us.items() if key.endswith("*")]
+                picks[kind] = (picked[0], min(us.items(), key=lambda kv: kv[1]))
+                extra = row["rotate_us"] if kind == "int8" else 0.0
+                step[f"{kind}_picked"] += uses * (picks[kind][0] + extra)
+                step[f"{kind}_best"] += uses * (picks[kind][1][1] + extra)
             step["floor"] += uses * floor
             step["bf16"] += uses * row["bf16_us"]
             results.append(row)
             (tp, tb), (ip, ib) = picks["bf16_triton"], picks["int8"]
             print(f"rows {rows} {name:>24} K {k:<5} floor {floor:6.1f} us | bf16 cuBLAS {row['bf16_us']:6.1f} "
                   f"Triton {tp:6.1f} (best {tb[1]:6.1f} {tb[0]}) | int8 {ip:6.1f} ({100 * floor / ip:3.0f}%) "
-                  f"(best {ib[1]:6.1f} {ib[0]}) err {err:.1e}", flush=True)
+                  f"(best {ib[1]:6.1f} {ib[0]}) rotate {row['rotate_us']:4.1f} err {err:.1e}", flush=True)
         print(f"# rows {rows}, one decode step's products (ms): " +
               ", ".join(f"{key} {v / 1e3:.3f}" for key, v in step.items()), flush=True)
         results.append({"rows": rows, "step_ms": {key: v / 1e3 for key, v in step.items()}})
