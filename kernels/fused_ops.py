@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .capabilities import triton_device_reason
-from .convrot import convrot_group_ok, hadamard_rotate_torch
+from .convrot import convrot_group_ok, hadamard, hadamard_rotate_torch
 from .gemv import _hadamard, hadamard_rotate
 
 __all__ = [
@@ -256,8 +256,6 @@ def _rows(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ add + RMSNorm
 def _twin_rotate(y: torch.Tensor, rotate: int) -> torch.Tensor:
-    from .convrot import hadamard
-
     return hadamard_rotate_torch(y, hadamard(rotate, device=y.device))
 
 
