@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .capabilities import triton_device_reason
 from .convrot import convrot_group_ok, hadamard, hadamard_rotate_torch
-from .gemv import _hadamard, hadamard_rotate
+from .gemv import hadamard_cached, hadamard_rotate
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_torch",
@@ -199,13 +199,13 @@ def _rotation(op: str, rotate: int, width: int, block: int, t: torch.Tensor):
         raise ValueError(f"{op}: rotate={rotate} must be a ConvRot group size (a power of 4) that divides "
                          f"the width {width}")
     if rotate in (16, 256) and block >= 256 and block % rotate == 0:
-        return rotate, _hadamard(16, t.device, t.dtype)
+        return rotate, hadamard_cached(16, t.device, t.dtype)
     return 0, t
 
 
 def _rotated(out: torch.Tensor, rotate: int, fused: int, out_rot: torch.Tensor) -> torch.Tensor:
     """The rotated output: the kernel's own, or a ``hadamard_rotate`` launch over ``out``."""
-    return out_rot if fused else hadamard_rotate(out, _hadamard(rotate, out.device, out.dtype))
+    return out_rot if fused else hadamard_rotate(out, hadamard_cached(rotate, out.device, out.dtype))
 
 
 def _num_warps(block: int) -> int:

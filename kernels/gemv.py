@@ -33,8 +33,8 @@ import triton.language as tl
 from .capabilities import triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 
-__all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_rotate",
-           "hadamard_rotate_torch", "split_k"]
+__all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_cached",
+           "hadamard_rotate", "hadamard_rotate_torch", "split_k"]
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
@@ -167,7 +167,7 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 _HADAMARD: dict[tuple, torch.Tensor] = {}
 
 
-def _hadamard(group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def hadamard_cached(group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """ConvRot's normalized H_group ``[group, group]`` in ``dtype`` on ``device`` (built once each,
     outside any graph capture: the eager step before a capture builds it)."""
     key = (group, device, dtype)
@@ -206,7 +206,7 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         if why is not None:
             raise ValueError(f"gemv: unsupported operands: {why}; call torch.nn.functional.linear")
     if convrot:
-        x = hadamard_rotate(x, _hadamard(convrot, x.device, x.dtype))
+        x = hadamard_rotate(x, hadamard_cached(convrot, x.device, x.dtype))
     x2 = _rows(x, k)
     m = x2.shape[0]
     ns = [w.shape[0] for w in weights]
