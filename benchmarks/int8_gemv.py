@@ -17,8 +17,8 @@ Per group and row count:
 Timed like ``benchmarks/gemv.py``: one graph chains launches over enough distinct weight copies
 (>= 256 MB) that nothing is served from L2; medians of replays; floor = int8 weight bytes (N*K +
 the scales) / measured copy bandwidth, the bf16 floor twice that. ``rel_err``: the int8 product
-against float64 from ComfyUI's own dequantization input (the rotated x rounded once, int8 times
-the scale).
+of the rotated x against ``x @ W.T`` in float64, W as comfy-kitchen dequantizes the rows (the
+first 4096 output rows).
 
 Usage: python benchmarks/int8_gemv.py [--rows 1 4] [--json out.json]
 """
