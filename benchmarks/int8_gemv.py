@@ -134,12 +134,10 @@ def main() -> None:
             del sets
             picks = {}
             for kind, quant in (("bf16_triton", False), ("int8", True)):
-                us = dict(row[f"{kind}_us"], **row.get(f"{kind}_split_us", {}))
-                if into_norm and split_k(ns[0], k, quant) > 1:  # the plan runs the split launch
-                    us = {key: v for key, v in us.items() if "split" in key or not key.endswith("*")}
-                    us.update({key.rstrip("*"): v for key, v in row[f"{kind}_us"].items()})
-                picked = [v for key, v in us.items() if key.endswith("*")]
-                picks[kind] = (picked[0], min(us.items(), key=lambda kv: kv[1]))
+                unsplit, split = row[f"{kind}_us"], row.get(f"{kind}_split_us", {})
+                runs = split if into_norm and split_k(ns[0], k, quant) > 1 else unsplit  # what the plan launches
+                picked = next(v for key, v in runs.items() if key.endswith("*"))
+                picks[kind] = (picked, min({**unsplit, **split}.items(), key=lambda kv: kv[1]))
                 extra = row["rotate_us"] if kind == "int8" else 0.0
                 step[f"{kind}_picked"] += uses * (picks[kind][0] + extra)
                 step[f"{kind}_best"] += uses * (picks[kind][1][1] + extra)

@@ -8,6 +8,8 @@ then, largest first, each with the innermost frames of its Python stack outside 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 __all__ = ["PeakProbe", "live_at_peak"]
@@ -20,7 +22,8 @@ def _where(frames: list[dict], depth: int = 4) -> list[str]:
         name = f.get("filename", "")
         if "/torch/" in name or name.startswith("??") or not name.endswith(".py"):
             continue
-        out.append(f"{name.rsplit('/', 2)[-2:][0]}/{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}")
+        path = Path(name)
+        out.append(f"{path.parent.name}/{path.name}:{f.get('line')} {f.get('name')}")
         if len(out) == depth:
             break
     return out

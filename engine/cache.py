@@ -114,7 +114,6 @@ class DeltaNetState:
         self.kernel = kernel
         self._states: list[torch.Tensor] | None = None
         self._window: torch.Tensor | None = None
-        self._window_from = 0  # the staged window's first column, counted in the full window
         self._rows = 0
 
     @property
@@ -135,9 +134,8 @@ class DeltaNetState:
         if len(states) not in (1, rows) or window.shape[-1] != self.kernel - 1 + rows:
             raise Qwen35Error(f"DeltaNetState.stage: {len(states)} states / window of {window.shape[-1]} "
                               f"columns do not describe {rows} rows")
-        self._window_from = 0
         if len(states) == 1 and rows > 1:
-            window, self._window_from = window[..., rows:].clone(), rows
+            window = window[..., rows:].clone()
         self._states, self._window, self._rows = states, window, rows
 
     def commit(self, n: int | None = None) -> None:
@@ -155,15 +153,15 @@ class DeltaNetState:
                 raise Qwen35Error(f"DeltaNetState.commit: only the final state of {rows} rows was kept, "
                                   f"so {n} rows cannot be committed")
             self.recurrent.copy_(state)
-            start = n - self._window_from
+            start = n - (self.kernel - 1 + rows - self._window.shape[-1])  # a kept tail starts at column rows
             self.conv.copy_(self._window[..., start:start + self.kernel - 1])
-        self._states, self._window, self._rows, self._window_from = None, None, 0, 0
+        self._states, self._window, self._rows = None, None, 0
 
     def _saved(self) -> tuple:
-        return self._states, self._window, self._rows, self._window_from
+        return self._states, self._window, self._rows
 
     def _put(self, saved: tuple) -> None:
-        self._states, self._window, self._rows, self._window_from = saved
+        self._states, self._window, self._rows = saved
 
 
 @dataclass
@@ -258,7 +256,7 @@ class ModelCache:
                 self.recurrent.copy_(states[:, n - 1])
                 self.conv.copy_(windows[..., n:n + self.kernel - 1])
             for st in deltas:
-                st._put((None, None, 0, 0))
+                st._put((None, None, 0))
         for layer in self.layers:
             if isinstance(layer, KVCache) or layer.staged:
                 layer.commit(n)
@@ -294,7 +292,7 @@ class ModelCache:
             self._staged_delta = None
         for st in self._part(part):
             if isinstance(st, DeltaNetState):
-                st._put((None, None, 0, 0))
+                st._put((None, None, 0))
             elif st.staged:
                 if lengths_moved:
                     st.length.sub_(st.staged)

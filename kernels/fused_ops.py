@@ -464,7 +464,7 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, *, rotate: int = 0):
     head_stride = gate.stride(2) if gate.dim() == 4 else d
     out = torch.empty(b_sz, s, hn * d, dtype=o.dtype, device=o.device)
     block = triton.next_power_of_2(max(d, 1))
-    fused, hmat = _rotation(op, rotate, hn * d, block if d == block and not d % max(rotate, 1) else 0, o)
+    fused, hmat = _rotation(op, rotate, hn * d, block if d == block else 0, o)  # groups within one head
     out_rot = torch.empty(out.shape, dtype=o.dtype, device=o.device) if fused else out
     if out.numel() == 0:
         return out if not rotate else (out, out_rot)
