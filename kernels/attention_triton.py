@@ -24,10 +24,8 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
-try:  # programmatic dependent launch (Hopper+): the merge kernel launches while the split pass runs
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:
-    gdc_launch_dependents = gdc_wait = None
+from .capabilities import pdl_reason
+from .pdl import trigger, wait
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +39,7 @@ def _split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()  # the merge kernel may start; it waits for this grid before reading
+    trigger(PDL)  # the merge kernel may start; it waits for this grid before reading
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % n_mb
@@ -116,8 +113,7 @@ def _combine_kernel(
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
     SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()  # the whole split grid has finished and its writes are visible
+    wait(PDL)  # the whole split grid has finished and its writes are visible
     pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
     d0 = tl.program_id(1) * BLOCK_D
     s = pid % S
@@ -162,14 +158,6 @@ def default_splits(q: torch.Tensor, hkv: int, n_mb: int) -> int:
     return max(1, min(128, -(-_device_limits(q.device.index or 0)[0] // programs)))
 
 
-_PDL = {"ok": gdc_wait is not None}  # cleared for good if this Triton rejects launch_pdl
-
-
-def _pdl_usable(q: torch.Tensor) -> bool:
-    return (_PDL["ok"] and q.device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)
-
-
 _SHRUNK: dict[tuple, int] = {}  # (device, dtype, D, BLOCK_M) -> first _TILES index that compiled
 
 
@@ -212,7 +200,7 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     log2e = 1.4426950408889634
     # Measured on an H200: launching the merge early saves ~0.6 us when its grid is small (16-row
     # blocks, S=1 for Qwen3.5), but its waiting programs slow the split pass for larger grids.
-    pdl = block_m == 16 and _pdl_usable(q)
+    pdl = block_m == 16 and pdl_reason(q.device) is None
     while True:
         block_n = cfg.pop("BLOCK_N")
         try:
@@ -239,12 +227,5 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     merge_meta = dict(S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
                       BLOCK_D=64, num_warps=4)
     grid = (b_sz * hq * s, d // 64)
-    if pdl:
-        try:
-            _combine_kernel[grid](*merge_args, PDL=True, launch_pdl=True, **merge_meta)
-            return out
-        except Exception as exc:  # a Triton without launch_pdl: plain launches from now on
-            _PDL["ok"] = False
-            log.info("decode_attention: programmatic dependent launch unavailable (%s)", exc)
-    _combine_kernel[grid](*merge_args, PDL=False, **merge_meta)
+    _combine_kernel[grid](*merge_args, PDL=pdl, **({"launch_pdl": True} if pdl else {}), **merge_meta)
     return out

@@ -3,6 +3,8 @@
 * ``interpreting()``: Triton kernels run on the CPU through ``TRITON_INTERPRET=1`` (tests).
 * ``triton_reason(device)``: None when Triton kernels can run on ``device``, else why not.
 * ``triton_module(name)``: a Triton kernel module of this package, or why it cannot be imported.
+* ``pdl_reason(device)``: None when the decode kernels may launch with programmatic dependent
+  launch (Hopper+: a kernel starts while its predecessor finishes; ``kernels/pdl.py``), else why not.
 * ``say_once(log, msg)``: the warning when a slower path is taken, once per process.
 
 The capability matrix (which backend and path runs where) is in ARCHITECTURE.md.
@@ -44,6 +46,45 @@ def triton_reason(device, name: str = "attention_triton") -> str | None:
     """None when the Triton kernels of ``kernels.<name>`` import and can run on ``device``."""
     _, why = triton_module(name)
     return why if why is not None else triton_device_reason(device)
+
+
+#: Set to "0" to launch every kernel plainly (benchmarks compare the two).
+PDL_ENV = "QWEN35_FAST_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_pdl_reason() -> str | None:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception as exc:  # no Triton, an old one, or no NVIDIA backend
+        return f"this Triton has no programmatic dependent launch ({type(exc).__name__}: {exc}; Triton 3.4+ has it)"
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return "this Triton's launcher takes no launch_pdl (Triton 3.4+ does)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_pdl_reason(kind: str, index: int | None) -> str | None:
+    if kind != "cuda" or interpreting():
+        return f"needs a CUDA device without TRITON_INTERPRET (got {kind})"
+    if torch.version.hip is not None:
+        return "ROCm has no programmatic dependent launch"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 9:
+        return f"needs compute capability 9.0+ (Hopper or newer); this GPU is {major}.{minor}"
+    return _triton_pdl_reason()
+
+
+def pdl_reason(device) -> str | None:
+    """None when Triton kernels on ``device`` may launch with programmatic dependent launch, else
+    why not (one line). Off on the interpreter, ROCm, GPUs before Hopper, Triton before 3.4, and
+    with ``QWEN35_FAST_PDL=0``. Plain launches are the same kernels without the overlap."""
+    if os.environ.get(PDL_ENV, "1") == "0":
+        return f"{PDL_ENV}=0"
+    dev = torch.device(device)
+    index = dev.index if dev.type != "cuda" or dev.index is not None else torch.cuda.current_device()
+    return _device_pdl_reason(dev.type, index)
 
 
 _SAID: set[str] = set()

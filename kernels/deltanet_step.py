@@ -9,7 +9,8 @@ keep any prefix), and the gated RMSNorm ``rms_norm(o) * w * silu(z)`` of the out
 window (old state followed by the new rows) is written out too, so the caller can commit any
 number of rows. The unfused torch path (``engine/deltanet.py`` + the layer's modules) computes the
 same function; rounding points follow it: conv output and SiLU are rounded to the execution dtype,
-as is ``o`` before the norm and the normalised ``o`` before the gate.
+as is ``o`` before the norm and the normalised ``o`` before the gate. With programmatic dependent
+launch (``kernels/pdl.py``) the state and the constants are read before waiting for the projections.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .pdl import enter, launch_args, trigger, wait
 
 
 @triton.jit
@@ -52,7 +55,7 @@ def _step_kernel(
     so_b, so_s, st_t, st_b, st_h, sw_b, sw_c,
     eps, q_scale,
     HV: tl.constexpr, REP: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BV: tl.constexpr, S: tl.constexpr, K: tl.constexpr, DT: tl.constexpr,
+    BV: tl.constexpr, S: tl.constexpr, K: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid (B * HV, DV // BV): program (b, h, vb) owns value columns [vb*BV, (vb+1)*BV) of head h.
     # With BV < DV the gated norm (a reduction over all DV columns) is left to _gated_norm_kernel.
@@ -67,10 +70,14 @@ def _step_kernel(
     k_ch = KEY_DIM + kh * DK + offs_k
     v_ch = 2 * KEY_DIM + h * DV + offs_v
 
+    # The recurrent state (the committed one: no kernel of this step writes it) and the constants
+    # are read before waiting for the projections.
+    trigger(PDL)
     state = tl.load(STATE + b * ss_b + h * ss_h + offs_k[:, None] * DV + offs_v[None, :])
     neg_a = tl.load(NEG_A + h)
     dt_bias = tl.load(DT_BIAS + h)
     nw = tl.load(NW + offs_v)
+    wait(PDL)
 
     # Conv window out: old state then the new rows (q/k channels written by the first value head of
     # each key head, v channels by every head).
@@ -118,8 +125,9 @@ def _step_kernel(
 
 @triton.jit
 def _gated_norm_kernel(OUT, Z, NW, so_b, so_s, sz_b, sz_s, eps, HV: tl.constexpr, S: tl.constexpr,
-                       DV: tl.constexpr, DT: tl.constexpr):
+                       DV: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
     """In place on OUT ``[B,S,HV*DV]``: ``rms_norm(o) * w * silu(z)`` per (b, row, head)."""
+    enter(PDL)
     pid = tl.program_id(0)
     h = pid % HV
     t = (pid // HV) % S
@@ -217,12 +225,12 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
         window_out.stride(0), window_out.stride(1),
         float(eps), dk ** -0.5,
         HV=hv, REP=hv // key_heads, KEY_DIM=key_dim, DK=dk, DV=dv, BV=dv // split, S=s, K=kernel,
-        DT=_TL_DTYPES[dt], num_warps=warps,
+        DT=_TL_DTYPES[dt], num_warps=warps, **launch_args(qkv.device),
     )
     if split > 1:
         _gated_norm_kernel[(bsz * s * hv,)](
             out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(eps),
-            HV=hv, S=s, DV=dv, DT=_TL_DTYPES[dt], num_warps=4)
+            HV=hv, S=s, DV=dv, DT=_TL_DTYPES[dt], num_warps=4, **launch_args(qkv.device))
     return out, states_out, window_out
 
 

@@ -3,7 +3,8 @@
 At decode sizes (batch 1, S = 1..8 rows, hidden 4096) a Qwen3.5 layer is dominated by the launch
 overhead of ~65 tiny torch kernels. These ops fold the elementwise and norm pieces into one launch
 each and are CUDA-graph safe: no host sync, no ``.item()``, no data-dependent Python control flow,
-and nothing allocated except the returned outputs.
+and nothing allocated except the returned outputs. On Hopper+ they launch with programmatic
+dependent launch (``kernels/pdl.py``): each lets the next kernel launch, then waits for its inputs.
 
 Ops (each computes in float32 inside the kernel and stores in the input dtype):
 
@@ -38,6 +39,7 @@ import triton.language as tl
 from .capabilities import triton_device_reason
 from .convrot import convrot_group_ok, hadamard, hadamard_rotate_torch
 from .gemv import hadamard_cached, hadamard_rotate
+from .pdl import enter, launch_args
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_torch",
@@ -89,10 +91,11 @@ def _add_rms_norm_kernel(
     X, R, W, Y, HOUT, H, YROT,
     sx, sr, sr_p, sw, n_cols, eps,
     HAS_RES: tl.constexpr, PARTS: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr,
-    SLICE: tl.constexpr,
+    SLICE: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (row, slice): the whole row for the mean square, then its SLICE columns written
     # (h, y and y rotated), so one row is spread over several programs.
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = Y.dtype.element_ty
     cols = tl.arange(0, BLOCK)
@@ -114,8 +117,9 @@ def _rms_norm_rope_kernel(
     X, W, COS, SIN, OUT,
     sx_b, sx_s, sx_h, sw, sc_s, sc_r, ss_s, ss_r,
     n_heads, n_rows, d, rot, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     h = pid % n_heads
     s = (pid // n_heads) % n_rows
@@ -145,7 +149,8 @@ def _rms_norm_rope_kernel(
 
 @triton.jit
 def _silu_mul_kernel(G, U, OUT, H, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -164,8 +169,9 @@ def _sigmoid_gate_kernel(
     ATT, GATE, OUT, H, OROT,
     so_b, so_h, so_s, sg_b, sg_s, sg_h,
     n_heads, n_rows, d,
-    ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr,
+    ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid = tl.program_id(0)  # over (b, s, h), in the output's order
     h = pid % n_heads
     s = (pid // n_heads) % n_rows
@@ -325,7 +331,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x2, r2, weight, y, h_out, hmat, y_rot,
         x2.stride(0), r2.stride(0), sr_p, weight.stride(0), hid, float(eps),
         HAS_RES=residual is not None, PARTS=parts, ROT=fused, IEEE=x.dtype == torch.float32, BLOCK=block,
-        SLICE=slice_, num_warps=_num_warps(block),
+        SLICE=slice_, num_warps=_num_warps(block), **launch_args(x.device),
     )
     if not rotate:
         return y, h
@@ -386,7 +392,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
         x.stride(0), x.stride(1), x.stride(2), weight.stride(0),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         hn, s, d, rot, float(eps),
-        BLOCK=block, num_warps=_num_warps(block),
+        BLOCK=block, num_warps=_num_warps(block), **launch_args(x.device),
     )
     return out
 
@@ -426,7 +432,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, rotate: int = 0):
         return out if not rotate else (out, out_rot)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
         g2, u2, out, hmat, out_rot, g2.stride(0), u2.stride(0), n, ROT=fused, IEEE=g.dtype == torch.float32,
-        BLOCK=block, num_warps=4,
+        BLOCK=block, num_warps=4, **launch_args(g.device),
     )
     return out if not rotate else (out, _rotated(out, rotate, fused, out_rot))
 
@@ -473,5 +479,6 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, *, rotate: int = 0):
         o.stride(0), o.stride(1), o.stride(2), gate.stride(0), gate.stride(1), head_stride,
         hn, s, d,
         ROT=fused, IEEE=o.dtype == torch.float32, BLOCK=block, num_warps=_num_warps(block),
+        **launch_args(o.device),
     )
     return out if not rotate else (out, _rotated(out, rotate, fused, out_rot))

@@ -32,18 +32,22 @@ import triton.language as tl
 
 from .capabilities import triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
+from .pdl import enter, launch_args, prefetch_l2, trigger, wait
 
 __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_cached",
            "hadamard_rotate", "hadamard_rotate_torch", "split_k"]
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
+#: With programmatic dependent launch (``kernels/pdl.py``): bytes of each weight row's K range a
+#: program asks L2 for before it waits for the kernel that writes x (0: none).
+PREFETCH_BYTES = 1024
 
 
 @triton.jit
 def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: tl.constexpr,
           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          EVEN_K: tl.constexpr):
+          EVEN_K: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,6 +56,13 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
     m_ok = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_PER
+    if PDL:  # the weights are no kernel's output: their first lines are fetched before the wait
+        if PF_LINES > 0:
+            k_last = tl.minimum(k_lo + K_PER, K) - 1
+            cols = tl.minimum(k_lo + tl.arange(0, PF_LINES) * LINE, k_last)
+            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None] * sw_n + cols[None, :])
+        wait(PDL)
+        trigger(PDL)
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -61,7 +72,11 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
             k_ok = offs_k < K
             w_mask = n_ok[:, None] & k_ok[None, :]
             x_mask = m_ok[:, None] & k_ok[None, :]
-        w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
+        if PDL:  # read once: leave L2 to the lines prefetched for the next product
+            w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
         x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
         if QUANT:  # int8 -> x's dtype, exact
             w = w.to(x.dtype)
@@ -79,21 +94,22 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
 def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER, N0, N1, N2, N3, E0, E1, E2,
                  sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
         _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-              EVEN_K)
+              EVEN_K, PDL, PF_LINES, LINE)
     elif COUNT > 1 and pid < E1:
         _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K)
+              BLOCK_K, EVEN_K, PDL, PF_LINES, LINE)
     elif COUNT > 2 and pid < E2:
         _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K)
+              BLOCK_K, EVEN_K, PDL, PF_LINES, LINE)
     elif COUNT > 3:
         _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K)
+              BLOCK_K, EVEN_K, PDL, PF_LINES, LINE)
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
@@ -224,12 +240,15 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     pad = MAX_GROUP - len(weights)
     ws, ys, ss = weights + [weights[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
+    item = weights[0].element_size()
+    lines = min(PREFETCH_BYTES, k_per * item) // 128
     _gemv_kernel[(total, parts)](
         x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
         *(int(quant and s.numel() > 1) for s in ss), *(y.stride(-2) for y in ys),
         *(y.stride(0) if split > 1 else 0 for y in ys),
         COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+        PF_LINES=1 << (lines.bit_length() - 1) if lines else 0, LINE=128 // item, **launch_args(x.device),
     )
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
 
@@ -244,9 +263,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
 
 @triton.jit
 def _rotate_kernel(X, H, Y, K, sx_m, sy_m, G: tl.constexpr, GROUPS: tl.constexpr, BLOCK_J: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
     # Program (row, group tile, column block): GROUPS consecutive groups of one row as the rows of a
     # [GROUPS, G] matrix, times columns [j0, j0 + BLOCK_J) of H.
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -282,5 +302,5 @@ def hadamard_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     hh = h.to(device=x.device, dtype=x.dtype).contiguous()
     grid = (x2.shape[0], triton.cdiv(k // g, groups), g // block_j)
     _rotate_kernel[grid](x2, hh, y, k, x2.stride(0), y.stride(0), G=g, GROUPS=groups, BLOCK_J=block_j,
-                         IEEE=x.dtype == torch.float32, num_warps=4)
+                         IEEE=x.dtype == torch.float32, num_warps=4, **launch_args(x.device))
     return y.reshape(x.shape)

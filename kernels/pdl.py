@@ -1,0 +1,72 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and newer).
+
+A decode step is a chain of ~370 short kernels in which every kernel reads what the one before
+wrote. Launched plainly, each waits until its predecessor has finished before it is even scheduled,
+so the GPU pays a ramp-up and a drain per kernel. With PDL (``launch_pdl=True``) a kernel may be
+scheduled once every program of its predecessor has called ``griddepcontrol.launch_dependents``;
+it then runs the part that reads nothing its predecessors write (a weight prefetch into L2, a
+recurrent state from the previous token) and calls ``griddepcontrol.wait``, which returns when the
+predecessor grid has completed and its writes are visible. Since every PDL kernel waits before it
+reads or writes anything its predecessors touch, and a kernel completes only after its own wait,
+completion is transitive: the chain computes exactly what plain launches compute.
+
+The protocol every kernel compiled with ``PDL=True`` follows:
+
+* small kernels: ``enter(PDL)`` first (let the next kernel launch, then wait);
+* the GEMV: prefetch its own first weight lines into L2, wait, then let the next kernel launch
+  (after its wait, so at most one product's weights are fetched ahead of the one streaming).
+
+``launch_args(device)`` gives the launch keywords (``PDL`` and ``launch_pdl``) that
+``capabilities.pdl_reason`` allows; elsewhere (interpreter, ROCm, pre-Hopper, Triton < 3.4,
+``QWEN35_FAST_PDL=0``) the kernels launch plainly with ``PDL=False`` and compile to what they were.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .capabilities import pdl_reason
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # Triton < 3.4: pdl_reason says no, and PDL=False never reaches these names
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["enter", "launch_args", "prefetch_l2", "trigger", "wait"]
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """A small kernel's first statement: the next kernel may launch; wait for the previous one."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait until the previous kernel has completed and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def trigger(PDL: tl.constexpr):
+    """Let the next kernel launch (it waits for this one before it reads anything)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines holding ``ptrs`` (any shape of pointers; no result, no fault
+    semantics beyond a load's: every pointer must lie inside its tensor)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+def launch_args(device) -> dict:
+    """Launch keywords for a kernel with a ``PDL`` constexpr: ``{"PDL": True, "launch_pdl": True}``
+    where ``capabilities.pdl_reason(device)`` is None, else ``{"PDL": False}``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_reason(device) is None else {"PDL": False}
