@@ -20,7 +20,7 @@ import torch
 from .binding import Qwen35Binding, bind
 from .request import GenerationRequest
 from .rope import RowPositions
-from .sampling import Sampler, token_ids
+from .sampling import Sampler, to_device, token_ids
 from .speculative import accept, draft
 from .stack import attention_backend, build_runner
 
@@ -147,6 +147,9 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         catchup_emb = torch.cat([embeds[:, 1:], binding.embed(token_ids([token], device), dtype, device)], dim=1)
         mtp_start = 0
 
+    if not depth:
+        stop = _decode_ahead(binding, runner, sampler, positions, max_length, stats, report)
+        return GenerationResult(list(sampler.generated), stats, stop)
     while len(sampler.generated) < max_length:
         length = cache.length
         pending = sampler.generated[-1]
@@ -161,7 +164,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         else:
             drafts, qs = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)
             stats.drafted += k
-            rows = binding.embed(token_ids([pending] + drafts, device), dtype, device)
+            rows = binding.embed(torch.cat([to_device([pending], device), drafts]).view(1, -1), dtype, device)
             hidden, pre = runner.forward(rows, positions.rows(length, k + 1))
             stats.steps += 1
             logits = sampler.mask(binding.logits(hidden)[0], len(sampler.generated))
@@ -181,3 +184,58 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         if stop_at is not None:
             return GenerationResult(list(sampler.generated), stats, "stop_token")
     return GenerationResult(list(sampler.generated), stats, "max_length")
+
+
+class _Readback:
+    """A device token ``[1]`` on its way to the host: copied into pinned memory behind the step
+    that drew it (CUDA), read when ``value`` is called."""
+
+    def __init__(self, token: torch.Tensor, pinned: torch.Tensor | None):
+        self.event = None
+        if pinned is None:
+            self.buf = token
+            return
+        self.buf = pinned
+        pinned.copy_(token, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def value(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.buf[0])
+
+
+def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowPositions, max_length: int,
+                  stats: GenerationStats, report) -> str:
+    """The MTP-off loop, one step ahead of the host: each step embeds the previous step's token on
+    the device and is launched before the host reads that token, so what the host does per token
+    (the read, the stop test, the callback, the next launch) overlaps the next step on the GPU. The
+    tokens, the generator's use and the callbacks are those of a step-by-step loop; a stop token
+    leaves one launched step unused. Returns the stop reason."""
+    cache, device, dtype = runner.cache, runner.device, runner.dtype
+    pinned = [torch.empty(1, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
+        if torch.device(device).type == "cuda" else [None, None]
+    pending = token_ids(sampler.generated[-1:], device)  # [1, 1]
+    launched, inflight = len(sampler.generated), None
+    while True:
+        step = None
+        if launched < max_length:
+            rows = binding.embed(pending, dtype, device)
+            hidden, _ = runner.forward(rows, positions.rows(cache.length, 1))
+            cache.commit()
+            token = sampler.draw_async(sampler.mask(binding.logits(hidden)[0], launched))
+            sampler.note(token)
+            step = _Readback(token, pinned[launched % 2])
+            pending = token.view(1, 1)
+            launched += 1
+        if inflight is not None:
+            t = inflight.value()
+            stats.steps += 1
+            sampler.accept([t])
+            report([t])
+            if t in sampler.stops:
+                return "stop_token"
+        if step is None:
+            return "max_length"
+        inflight = step

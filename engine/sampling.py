@@ -257,9 +257,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, *, top_k: int
     if candidates is not None:
         if tuple(candidates.shape) != tuple(probs.shape):
             raise ValueError(f"sample: candidates {tuple(candidates.shape)} must match probs {tuple(probs.shape)}")
-        picked = torch.multinomial(probs, num_samples=1, generator=generator)
+        picked = multinomial_one(probs, generator)
         return candidates.gather(1, picked).squeeze(-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return multinomial_one(probs, generator).squeeze(-1)
+
+
+def multinomial_one(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``torch.multinomial(probs, 1, generator=generator)`` without its host syncs: probs ``[N,K]``
+    float (valid rows: non-negative, finite, positive sums) -> int64 ``[N,1]``. torch draws one
+    sample as ``argmax(probs / E)`` with ``E ~ Exp(1)`` from ``exponential_`` (the same generator
+    use), after two ``.item()`` validity checks that would stall a loop running ahead of the host;
+    this is that draw without the checks (the sampler's rows are softmax outputs)."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    torch.div(probs, q, out=q)
+    return torch.argmax(q, dim=-1, keepdim=True)
 
 
 def acceptance_probability(probs_target: torch.Tensor, draft_token: int,
@@ -378,6 +389,7 @@ class Sampler:
         self.count = 0
         self._write(initial)
         self.count = len(initial)
+        self._seen_mask: torch.Tensor | None = None  # draw_async's seen set, once it is needed
 
     def _write(self, tokens: Sequence[int]) -> None:
         if tokens and self.penalised:  # only the penalties read the history
@@ -388,6 +400,8 @@ class Sampler:
         self._write(tokens)
         self.count += len(tokens)
         self.generated.extend(tokens)
+        if tokens and self._seen_mask is not None:
+            self._seen_mask[0, to_device(list(tokens), self.device)] = True
 
     def histories(self, drafts: Sequence[int], rows: int) -> list:
         """Penalty histories of ``rows`` consecutive positions: row i has the history plus ``drafts[:i]``."""
@@ -404,6 +418,41 @@ class Sampler:
             logits = logits.clone()
             logits[:blocked, self.stop_ids] = float("-inf")
         return logits
+
+    def draw_async(self, logits: torch.Tensor) -> torch.Tensor:
+        """``draw`` without reading the token: int64 ``[1]`` on logits' device, no host sync (the
+        same candidates and generator use as ``draw``). For a loop that launches the next step from
+        this token before it reads it: ``note`` the token first, ``accept`` its value later."""
+        if self.greedy:
+            return logits[0].argmax().reshape(1)
+        histories = self._seen(logits.shape[1]) if self.penalised else [()]
+        probs, ids = target_candidates(logits, histories, self.params)
+        return sample(probs, self.generator, candidates=ids)
+
+    def seen_with(self, drafts: Sequence[torch.Tensor], vocab: int) -> list | torch.Tensor:
+        """The penalty history of the row after ``drafts`` (int64 ``[1]`` tensors on the device):
+        ``[()]`` without penalties, else the seen set with the drafts added, bool ``[1, V]`` (device
+        ops only: drafting never waits for the host)."""
+        if not self.penalised:
+            return [()]
+        if not drafts:
+            return self._seen(vocab)
+        mask = self._seen(vocab).clone()
+        mask[0, torch.cat(list(drafts))] = True
+        return mask
+
+    def note(self, token: torch.Tensor) -> None:
+        """Add the token ``draw_async`` just returned (int64 ``[1]`` on the device) to the penalties'
+        seen set, before the next ``draw_async``."""
+        if self.penalised:
+            self._seen_mask[0, token] = True  # an index on the device: no host sync
+
+    def _seen(self, vocab: int) -> torch.Tensor:
+        """bool ``[1, V]``: the tokens the penalties act on (built once from the history)."""
+        if self._seen_mask is None:
+            self._seen_mask = torch.zeros(1, vocab, dtype=torch.bool, device=self.hist.device)
+            self._seen_mask[0, self.hist[:self.count]] = True
+        return self._seen_mask
 
     def draw(self, logits: torch.Tensor) -> int:
         """The next token from one row of logits ``[1,V]`` (float32) after the current history."""

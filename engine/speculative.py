@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .rope import RowPositions
-from .sampling import Sampler, sample, speculative_accept, target_probs, token_ids
+from .sampling import Sampler, sample, speculative_accept, target_probs, to_device
 
 
 def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hidden: torch.Tensor,
@@ -42,9 +42,10 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     """Run the MTP head over the catch-up rows (``catchup_hidden``, ``catchup_emb`` ``[1,R,H]``,
     starting at row ``mtp_start``) and draft k tokens after the pending token at row ``length``.
 
-    Returns ``(drafts, qs)``: k token ids and, for each, the draft distribution ``[V]`` when drafts
-    are sampled (``mtp_draft="sample"``), else None (point-mass drafts). The MTP cache ends at
-    ``length`` rows.
+    Returns ``(drafts, qs)``: the k token ids as int64 ``[k]`` on the device (each draft is embedded
+    for the next from there, so drafting never waits for the host) and, for each, the draft
+    distribution ``[V]`` when drafts are sampled (``mtp_draft="sample"``), else None (point-mass
+    drafts). The MTP cache ends at ``length`` rows.
     """
     device, dtype = runner.device, runner.dtype
     mcache = runner.cache.mtp
@@ -52,49 +53,48 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     out = runner.mtp_forward(catchup_hidden, catchup_emb, positions.rows(mtp_start, rows))
     mcache.commit()
     last = out[:, -1:]
-    drafts: list[int] = []
+    drafts: list[torch.Tensor] = []  # int64 [1] each, on the device
     qs: list[torch.Tensor | None] = []
     for j in range(k):
         if j:
-            emb = binding.embed(token_ids([drafts[-1]], device), dtype, device)
+            emb = binding.embed(drafts[-1].view(1, 1), dtype, device)
             last = runner.mtp_forward(last, emb, positions.rows(length - 1 + j, 1))
             mcache.commit()
         logits = sampler.mask(binding.logits(last)[0], len(sampler.generated) + j)
+        qs.append(None)
         if callable(sampler.mtp_draft):  # benchmark hook: the head ran, its draft is replaced
-            drafts.append(int(sampler.mtp_draft(len(sampler.generated) + j)))
-            qs.append(None)
-            continue
-        if sampler.greedy:
-            drafts.append(int(logits[0].argmax()))
-            qs.append(None)
-            continue
-        q = target_probs(logits, sampler.histories(drafts, len(drafts) + 1)[-1:], sampler.params)
-        if sampler.mtp_draft == "sample":
-            drafts.append(int(sample(q, sampler.generator, top_k=sampler.params.top_k)[0]))
-            qs.append(q[0])
+            drafts.append(to_device([int(sampler.mtp_draft(len(sampler.generated) + j))], device))
+        elif sampler.greedy:
+            drafts.append(logits[0].argmax().reshape(1))
         else:
-            drafts.append(int(q[0].argmax()))
-            qs.append(None)
+            q = target_probs(logits, sampler.seen_with(drafts, logits.shape[1]), sampler.params)
+            if sampler.mtp_draft == "sample":
+                drafts.append(sample(q, sampler.generator, top_k=sampler.params.top_k))
+                qs[-1] = q[0]
+            else:
+                drafts.append(q[0].argmax().reshape(1))
     mcache.rollback(k - 1)
-    return drafts, qs
+    return torch.cat(drafts), qs
 
 
-def accept(sampler: Sampler, logits: torch.Tensor, drafts: list[int], qs) -> tuple[list[int], int]:
-    """New tokens from the verify logits ``[k+1,V]`` (the accepted drafts, then the correction or
-    bonus token) and the number of drafts accepted."""
-    k = len(drafts)
+def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor, qs) -> tuple[list[int], int]:
+    """New tokens from the verify logits ``[k+1,V]`` and the drafts (int64 ``[k]`` on the device):
+    the accepted drafts, then the correction or bonus token, and the number of drafts accepted."""
+    k = drafts.shape[0]
     if sampler.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        both = torch.cat([logits.argmax(dim=-1), drafts]).tolist()  # one read for the two
+        target, proposed = both[:k + 1], both[k + 1:]
         accepted = 0
-        while accepted < k and target[accepted] == drafts[accepted]:
+        while accepted < k and target[accepted] == proposed[accepted]:
             accepted += 1
-        return drafts[:accepted] + [target[accepted]], accepted
-    probs = target_probs(logits, sampler.histories(drafts, k + 1), sampler.params)
+        return proposed[:accepted] + [target[accepted]], accepted
+    proposed = drafts.tolist()
+    probs = target_probs(logits, sampler.histories(proposed, k + 1), sampler.params)
     new: list[int] = []
     for i in range(k):
-        ok, correction = speculative_accept(probs[i], drafts[i], sampler.generator, qs[i])
+        ok, correction = speculative_accept(probs[i], proposed[i], sampler.generator, qs[i])
         if not ok:
             return new + [correction], i
-        new.append(drafts[i])
+        new.append(proposed[i])
     new.append(int(sample(probs[k:k + 1], sampler.generator, top_k=sampler.params.top_k)[0]))  # bonus
     return new, k

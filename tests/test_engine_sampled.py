@@ -101,3 +101,34 @@ def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft):
         assert float(counts[probs == 0].sum()) == 0, "drew a token the target distribution forbids"
         p = chi2_pvalue(counts, probs)
         assert p > P_FAIL, f"chi-square p={p:.3g}: counts {counts.tolist()} vs probs {probs.tolist()}"
+
+
+def test_mtp_off_sampled_tokens_equal_comfy_loop(tmp_path, rng):
+    """MTP off, sampled with both penalties: the engine's tokens (each step launched from the
+    previous token on the device, before the host reads it) equal ComfyUI's ``sample_token`` loop
+    over a cache-free float64 forward, draw for draw with the same seed."""
+    from tests.oracles.comfy_sampling import comfy_sample_token
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    sd, d = make_tiny(seed, strength=0.2, vocab_size=32)
+    model, ref = engine_model(sd, tmp_path), Reference(sd, d)
+    prompt = torch.randn(4, d["hidden_size"], generator=rng)
+    params = dict(PARAMS, temperature=1.5)
+    n = 16
+
+    def comfy_loop(params):
+        gen = torch.Generator().manual_seed(11)
+        seq, out = prompt.double(), []
+        for _ in range(n):
+            logits = ref.forward(seq)["logits"][-1].float().unsqueeze(0)
+            out.append(int(comfy_sample_token(logits, params["temperature"], params["top_k"], params["top_p"],
+                                              params["min_p"], params["repetition_penalty"], out, gen,
+                                              presence_penalty=params["presence_penalty"])))
+            seq = torch.cat([seq, ref.embed([out[-1]])])
+        return out
+
+    want = comfy_loop(params)
+    # the penalties decide tokens here: without them the same seed draws otherwise
+    assert comfy_loop(dict(params, repetition_penalty=1.0, presence_penalty=0.0)) != want
+    res = generate(model, prompt, do_sample=True, seed=11, max_length=n, mtp="off", stop_tokens=[], **params)
+    assert res.tokens == want

@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 from qwen35_fast.engine.sampling import (
+    Sampler,
     SamplingParams,
     acceptance_probability,
     residual_distribution,
@@ -522,3 +523,46 @@ def test_target_candidates_match_target_probs(rng):
     assert bool((probs[:, :-1] >= probs[:, 1:]).all()), "candidates are not in descending order"
     with pytest.raises(ValueError, match="candidates"):
         sample(probs, None, candidates=ids[:, :5])
+
+
+def test_sampler_seen_set_on_the_device():
+    """The penalties' seen set that device-side draws use (``draw_async``, MTP drafts): the initial
+    and accepted tokens, a noted in-flight token, and a row's drafts, against a set built by hand."""
+    params = SamplingParams(do_sample=True, presence_penalty=1.5)
+    s = Sampler(params, seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[4, 9], device="cpu",
+                mtp_draft="argmax", room=16)
+    s.accept([2, 9])
+    v = 12
+
+    def ids(mask):
+        return set(mask[0].nonzero().flatten().tolist())
+
+    assert ids(s.seen_with([], v)) == {2, 4, 9}
+    drafts = [torch.tensor([7]), torch.tensor([4]), torch.tensor([11])]
+    assert ids(s.seen_with(drafts, v)) == {2, 4, 7, 9, 11}
+    assert ids(s.seen_with([], v)) == {2, 4, 9}  # a row's drafts leave the seen set itself alone
+    s.note(torch.tensor([5]))
+    s.accept([5, 3])
+    assert ids(s.seen_with([], v)) == {2, 3, 4, 5, 9}
+    plain = Sampler(SamplingParams(do_sample=True), seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[4],
+                    device="cpu", mtp_draft="argmax", room=4)
+    assert plain.seen_with(drafts, v) == [()]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_multinomial_one_is_torch_multinomial(device, test_seed):
+    """The sync-free one-sample draw picks torch.multinomial's token for the same generator state,
+    over many seeds, shapes and dtypes (zeros and ties included)."""
+    from qwen35_fast.engine.sampling import multinomial_one
+
+    gen = torch.Generator().manual_seed(test_seed)
+    for trial in range(60):
+        n, k = 1 + trial % 3, [1, 2, 20, 257, 4096][trial % 5]
+        dtype = [torch.float32, torch.float64, torch.float16][trial % 3]
+        probs = torch.softmax(torch.randn(n, k, generator=gen) * 3, dim=-1)
+        probs[probs < 0.01] = 0.0 if k > 2 else probs[probs < 0.01]
+        probs = probs.to(device=device, dtype=dtype)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        want = torch.multinomial(probs, 1, generator=torch.Generator(device).manual_seed(seed))
+        got = multinomial_one(probs, torch.Generator(device).manual_seed(seed))
+        assert torch.equal(got, want), (trial, n, k, dtype)
