@@ -8,6 +8,10 @@ file's MTP head), then generated from in one process by
 - ``pack``: the CLIP returned by the pack's patch (``patch_clip``, what the patch node outputs),
   MTP off: ``clip.generate`` routed to the engine on ComfyUI's own modules, weights resolved in
   place (``patches/comfy_weights.py``), fused kernels, CUDA graphs;
+- ``pack-sampled``: the pack sampling with the prompt enhancer's text-to-image settings (top-k 20,
+  top-p 0.95, presence penalty 1.5), MTP off: the sampling path of the decode loop;
+- ``pack-plain``: the same as ``pack`` with every kernel launched plainly (``QWEN35_FAST_PDL=0``: no
+  programmatic dependent launch, ``kernels/pdl.py``), what a GPU before Hopper gets;
 - ``pack-forced3``: the engine on the same ComfyUI modules with MTP depth 3, every draft replaced
   by the token the target will choose (from the MTP-off run), so every draft is accepted: the
   speed of draft + verify without a trained head (the head still runs). This row calls
@@ -32,17 +36,22 @@ but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allo
 ``--memory``: at the first max_length, what the core and pack rows themselves allocate at their
 peak, by call site (``benchmarks/memory_peak.py``). ``--profile``: the kernels of an eager 1-row
 step and the host's Python functions per token of a generation (cProfile), per format.
+``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain.
+``--prefetch B [B ...]``: the pack rows once per value of ``kernels.gemv.PREFETCH_BYTES`` (rows
+``pack-pf<B>``; a sweep).
 
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
+        [--kinds core pack pack-plain forced3 standalone] [--prefetch 0 1024 4096]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -271,9 +280,21 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
             print(f"      {f['cum_us']:8.1f} us cum {f['self_us']:8.1f} us self  x{f['calls']:5.1f}  {f['function']}",
                   flush=True)
 
+    if args.timeline:
+        from benchmarks.timeline import print_timeline, token_timeline
+
+        for kind in ("pack", "pack-plain"):
+            with launches(kind):
+                tl = token_timeline(lambda n: clock.run(lambda: patched.generate(tokens, max_length=4096, **greedy), n))
+            rows.append({"format": fmt, "kind": f"timeline {kind}", **tl})
+            print_timeline(f"{fmt:>5} {kind} timeline", tl)
+
     for max_length in args.max_lengths:
-        order = [k for k in ("pack", "forced3", "core") if k in args.kinds
+        order = [k for k in ("pack", "pack-sampled", "pack-plain", "forced3", "core") if k in args.kinds
                  and (k != "core" or max_length in args.core_max_lengths)]
+        if args.prefetch and "pack" in order:
+            i = order.index("pack")
+            order[i:i + 1] = [f"pack-pf{b}" for b in args.prefetch]
         for kind in order:
             reset_peak()
             probe = PeakProbe(args.memory and max_length == args.max_lengths[0] and kind in ("core", "pack"))
@@ -282,11 +303,17 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                     tok_s = clock.run(lambda m=max_length: clip.generate(tokens, max_length=m, **greedy),
                                       args.core_tokens)
                 row("core", max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
-            elif kind == "pack":
-                with probe:
+            elif kind == "pack-sampled":
+                from qwen35_fast.patches.prompt_enhancer import PRESETS
+
+                sampled = dict(greedy, do_sample=True, **PRESETS["text-to-image"])
+                tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **sampled), args.tokens)
+                row(kind, max_length, tok_s)
+            elif kind.startswith("pack"):
+                with probe, launches(kind):
                     tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **greedy),
                                       args.tokens)
-                row("pack", max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
+                row(kind, max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
             else:
                 # The MTP-off token sequence (the drafts to force), then depth 3 with those drafts.
                 drafts = list(bridge.run_engine(target, embeds, max_length=args.tokens + 8, mtp="off", **greedy))
@@ -317,6 +344,27 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
+
+
+@contextlib.contextmanager
+def launches(kind: str):
+    """The launch settings of a pack row: ``pack-plain`` without programmatic dependent launch,
+    ``pack-pf<B>`` with ``B`` prefetched bytes per GEMV weight row; restored after."""
+    from qwen35_fast.kernels import capabilities, gemv
+
+    env, pf = os.environ.get(capabilities.PDL_ENV), gemv.PREFETCH_BYTES
+    if kind == "pack-plain":
+        os.environ[capabilities.PDL_ENV] = "0"
+    elif kind.startswith("pack-pf"):
+        gemv.PREFETCH_BYTES = int(kind[len("pack-pf"):])
+    try:
+        yield
+    finally:
+        gemv.PREFETCH_BYTES = pf
+        if env is None:
+            os.environ.pop(capabilities.PDL_ENV, None)
+        else:
+            os.environ[capabilities.PDL_ENV] = env
 
 
 def host_profile(fn, tokens: int, top: int = 40) -> dict:
@@ -350,7 +398,7 @@ def markdown(run: dict) -> str:
              "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB |",
              "|---|---|---|---|---|---|---|"]
     for r in run["rows"]:
-        if r["kind"] in ("profile", "host_profile"):  # --profile's kernel and host lists, not timed rows
+        if r["kind"] in ("profile", "host_profile") or r["kind"].startswith("timeline"):  # lists, not timed rows
             continue
         # The floor is one step's weight read; forced MTP rows make 4 tokens a step (plus 3 head steps).
         pct = "per step" if "forced" in r["kind"] else f"{r['floor_pct']:.0f}%"
@@ -376,6 +424,10 @@ def main() -> None:
                     help="also list the kernels of an eager 1-row decode step per format (torch profiler)")
     ap.add_argument("--memory", action="store_true",
                     help="at the first max_length, list what the core and pack rows allocate at their peak")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also trace the pack's kernels per token of a generation, with and without PDL")
+    ap.add_argument("--prefetch", nargs="+", type=int, default=[],
+                    help="pack rows once per kernels.gemv.PREFETCH_BYTES value (a sweep)")
     ap.add_argument("--json", default="comfy_e2e.json")
     ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()
