@@ -60,10 +60,7 @@ class KVCache:
         if k_new.shape != v_new.shape or k_new.shape[:2] != self.k.shape[:2] or k_new.shape[3] != self.k.shape[3]:
             raise Qwen35Error(f"KVCache.write: k {tuple(k_new.shape)} / v {tuple(v_new.shape)} do not fit a "
                               f"cache of shape {tuple(self.k.shape)}")
-        end = self.host_length + s
-        if end > self.capacity:
-            raise Qwen35Error(f"KV cache overflow: {self.host_length} filled + {s} new rows > capacity "
-                              f"{self.capacity}; allocate the cache for prompt + max_length (+ MTP depth + 1)")
+        self._check_room(s)
         if s > self._rows.numel():
             self._rows = torch.arange(s, device=self.k.device, dtype=torch.int64)
         # Slot indices come from the device length, so the write needs no host value (graph friendly).
@@ -73,6 +70,23 @@ class KVCache:
         self.length.add_(s)
         self.staged = s
         return self.length
+
+    def write_rows(self, s: int, write) -> torch.Tensor:
+        """``write`` for a kernel that puts the S rows into the cache itself: ``write(k, v, length)``
+        stores row j at slot ``length[b] + j`` of ``k``/``v`` (``fused_ops.rms_norm_rope_to_cache``).
+        Stages them and returns the device ``length`` (committed + S), as ``write`` does."""
+        if self.staged:
+            raise Qwen35Error(f"KVCache.write_rows: {self.staged} staged rows not committed; call commit(n) first")
+        self._check_room(s)
+        write(self.k, self.v, self.length)
+        self.length.add_(s)
+        self.staged = s
+        return self.length
+
+    def _check_room(self, s: int) -> None:
+        if self.host_length + s > self.capacity:
+            raise Qwen35Error(f"KV cache overflow: {self.host_length} filled + {s} new rows > capacity "
+                              f"{self.capacity}; allocate the cache for prompt + max_length (+ MTP depth + 1)")
 
     def commit(self, n: int | None = None) -> None:
         """Keep the first n staged rows (default all) and drop the rest."""

@@ -107,9 +107,8 @@ class Runner:
 
     def _attention_fused(self, prefix: str, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v, gate = self.fused.qk(prefix, attn, xn, cos, sin, cfg.head_dim, cfg.num_attention_heads,
-                                      cfg.num_key_value_heads)
-        lengths = kv.write(k, v)
+        q, gate, lengths = self.fused.qk(prefix, attn, xn, cos, sin, cfg.head_dim, cfg.num_attention_heads,
+                                         cfg.num_key_value_heads, kv)
         o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=self.attention)
         return self.fused.gate_out(attn.o_proj, o, gate)
 

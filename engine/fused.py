@@ -288,16 +288,20 @@ class FusedPlan:
         act, act_rot = self.ops.silu_mul(g, u, rotate=group)
         return self.lin(down, act, (group, act_rot), into_norm=True)
 
-    def qk(self, prefix: str, attn, xn: torch.Tensor, cos, sin, head_dim: int, hq: int, hkv: int):
-        """q ``[B,Hq,S,D]``, k ``[B,Hkv,S,D]`` (normed, rotated), v ``[B,Hkv,S,D]`` view, gate ``[B,S,Hq,D]`` view."""
+    def qk(self, prefix: str, attn, xn: torch.Tensor, cos, sin, head_dim: int, hq: int, hkv: int, kv):
+        """The attention inputs of rows xn ``[B,S,H]``: returns q ``[B,Hq,S,D]`` (normed, rotated), the
+        gate ``[B,S,Hq,D]`` view and the device length of ``kv`` after k (normed, rotated) and v were
+        staged in it, written by the k norm's kernel itself."""
         b, s, _ = xn.shape
         qg, k, v = self.lins((attn.q_proj, attn.k_proj, attn.v_proj), xn)
         qg = qg.view(b, s, hq, 2 * head_dim)
         k = k.view(b, s, hkv, head_dim)
-        v = v.view(b, s, hkv, head_dim).transpose(1, 2)
+        v = v.view(b, s, hkv, head_dim)
         q = self.ops.rms_norm_rope(qg[..., :head_dim], self.norms[f"{prefix}.q_norm"], self.eps, cos, sin)
-        k = self.ops.rms_norm_rope(k, self.norms[f"{prefix}.k_norm"], self.eps, cos, sin)
-        return q, k, v, qg[..., head_dim:]
+        k_norm = self.norms[f"{prefix}.k_norm"]
+        lengths = kv.write_rows(s, lambda kc, vc, length: self.ops.rms_norm_rope_to_cache(
+            k, v, k_norm, self.eps, cos, sin, kc, vc, length))
+        return q, qg[..., head_dim:], lengths
 
     def gate_out(self, o_proj, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``o_proj(o * sigmoid(gate))``: o ``[B,Hq,S,D]``, gate ``[B,S,Hq,D]`` -> ``[B,S,H]`` (or

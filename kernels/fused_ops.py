@@ -11,6 +11,7 @@ Ops (each computes in float32 inside the kernel and stores in the input dtype):
 * ``add_rms_norm``  residual add + RMSNorm                 ``[..., H]``         programs per (row, 512 columns)
 * ``rms_norm_rope`` per-head RMSNorm + partial RoPE,       ``[B,S,Hn,D]`` ->
   written transposed for attention                         ``[B,Hn,S,D]``       one program per (row, head)
+  (``rms_norm_rope_to_cache``: k written into its KV cache slots, v beside it)
 * ``silu_mul``      SwiGLU activation ``silu(g) * u``      ``[..., N]``         programs per (row, column tile)
 * ``sigmoid_gate``  attention output gate ``o * sigmoid(gate)``, transposing o back to rows
                                                            ``[B,S,Hn*D]``       one program per (row, head)
@@ -42,7 +43,8 @@ from .gemv import hadamard_cached, hadamard_rotate
 from .pdl import enter, launch_args
 
 __all__ = [
-    "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_torch",
+    "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_to_cache",
+    "rms_norm_rope_to_cache_torch", "rms_norm_rope_torch",
     "sigmoid_gate", "sigmoid_gate_torch", "silu_mul", "silu_mul_torch",
 ]
 
@@ -114,11 +116,13 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _rms_norm_rope_kernel(
-    X, W, COS, SIN, OUT,
-    sx_b, sx_s, sx_h, sw, sc_s, sc_r, ss_s, ss_r,
+    X, W, COS, SIN, OUT, V, VC, LEN,
+    sx_b, sx_s, sx_h, sw, sc_s, sc_r, ss_s, ss_r, sv_b, sv_s, sv_h, so_b, so_h, so_c,
     n_heads, n_rows, d, rot, eps,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, TO_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):
+    # TO_CACHE: OUT and VC are a KV cache's k and v [B,Hn,C,D]; row s goes to slot LEN[b] + s, and
+    # the same row of V [B,S,Hn,D] is copied beside it.
     enter(PDL)
     pid = tl.program_id(0)
     h = pid % n_heads
@@ -143,8 +147,14 @@ def _rms_norm_rope_kernel(
     c = tl.load(COS + s * sc_s + cols * sc_r, mask=is_rot, other=1.0)
     sn = tl.load(SIN + s * ss_s + cols * ss_r, mask=is_rot, other=0.0)
     out = tl.where(is_rot, n * c + rot_v * sn, n)
-    dst = OUT + ((b.to(tl.int64) * n_heads + h) * n_rows + s) * d + cols
-    tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok)
+    if TO_CACHE:
+        at = b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + (tl.load(LEN + b).to(tl.int64) + s) * so_c + cols
+        tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=ok)
+        vrow = tl.load(V + b.to(tl.int64) * sv_b + s.to(tl.int64) * sv_s + h.to(tl.int64) * sv_h + cols, mask=ok)
+        tl.store(VC + at, vrow, mask=ok)
+    else:
+        dst = OUT + ((b.to(tl.int64) * n_heads + h) * n_rows + s) * d + cols
+        tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -361,12 +371,59 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     x's dtype as a norm module returns it); ``out[:R] = n[:R]*cos + cat(-n[R/2:R], n[:R/2])*sin`` in
     float32, ``out[R:] = n[R:]``. Returns ``[B,Hn,S,D]`` contiguous in x's dtype.
     """
-    op = "rms_norm_rope"
+    _check_rope("rms_norm_rope", x, weight, cos, sin)
+    b_sz, s, hn, d = x.shape
+    out = torch.empty(b_sz, hn, s, d, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _launch_rope(x, weight, eps, cos, sin, out)
+    return out
+
+
+def rms_norm_rope_to_cache_torch(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                                 v_cache: torch.Tensor, length: torch.Tensor) -> None:
+    """Plain-torch ``rms_norm_rope_to_cache`` (same math; a host read of ``length``)."""
+    slots = torch.arange(k.shape[1], device=k.device) + int(length[0])
+    k_cache.index_copy_(2, slots, rms_norm_rope_torch(k, weight, eps, cos, sin))
+    v_cache.index_copy_(2, slots, v.transpose(1, 2))
+
+
+def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float,
+                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, length: torch.Tensor) -> None:
+    """``rms_norm_rope`` of k written straight into a KV cache, with v beside it, in one launch.
+
+    k, v ``[B,S,Hkv,D]`` (last dim contiguous, one dtype); weight, eps, cos, sin as for
+    ``rms_norm_rope``; k_cache, v_cache ``[B,Hkv,C,D]`` in k's dtype, one layout, last dim
+    contiguous; length int32/int64 ``[B]`` on the device: row s of batch b goes to slot
+    ``length[b] + s`` (read on the device: graph-safe; the caller checks the room and advances
+    ``length``). Writes k_cache and v_cache, returns None.
+    """
+    op = "rms_norm_rope_to_cache"
+    _check_rope(op, k, weight, cos, sin)
+    b_sz, s, hn, d = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"{op}: v {tuple(v.shape)} {v.dtype} must match k {tuple(k.shape)} {k.dtype}")
+    _check_last_contiguous(op, "v", v)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[:2] != (b_sz, hn) or c.shape[3] != d or c.dtype != k.dtype or c.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} {tuple(c.shape)} {c.dtype} is not a [B={b_sz},Hkv={hn},C,D={d}] cache "
+                             f"in {k.dtype} with a contiguous last dim")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"{op}: k_cache and v_cache have different strides {k_cache.stride()} / {v_cache.stride()}")
+    if length.shape != (b_sz,) or length.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: length must be int32/int64 [B={b_sz}], got {tuple(length.shape)} {length.dtype}")
+    _check_same(op, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "length": length})
+    if k.numel():
+        _launch_rope(k, weight, eps, cos, sin, k_cache, v, v_cache, length)
+
+
+def _check_rope(op: str, x, weight, cos, sin) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{op}: expected x [B,S,Hn,D], got {got}")
     _check_dtype(op, "x", x)
-    b_sz, s, hn, d = x.shape
+    s, d = x.shape[1], x.shape[3]
     _check_weight(op, weight, d, f"head_dim of x {tuple(x.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32:
@@ -383,18 +440,21 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     _check_same(op, {"x": x, "weight": weight, "cos": cos, "sin": sin})
     _require_triton(op, x)
     _check_last_contiguous(op, "x", x)
-    out = torch.empty(b_sz, hn, s, d, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
+
+
+def _launch_rope(x, weight, eps, cos, sin, out, v=None, v_cache=None, length=None) -> None:
+    b_sz, s, hn, d = x.shape
     block = triton.next_power_of_2(d)
+    to_cache = v is not None
+    vs = v.stride()[:3] if to_cache else (0, 0, 0)
+    so = (out.stride(0), out.stride(1), out.stride(2)) if to_cache else (0, 0, 0)
     _rms_norm_rope_kernel[(b_sz * s * hn,)](
-        x, weight, cos, sin, out,
+        x, weight, cos, sin, out, v if to_cache else x, v_cache if to_cache else out, length if to_cache else x,
         x.stride(0), x.stride(1), x.stride(2), weight.stride(0),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        hn, s, d, rot, float(eps),
-        BLOCK=block, num_warps=_num_warps(block), **launch_args(x.device),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *vs, *so,
+        hn, s, d, cos.shape[1], float(eps),
+        BLOCK=block, TO_CACHE=to_cache, num_warps=_num_warps(block), **launch_args(x.device),
     )
-    return out
 
 
 # ------------------------------------------------------------------ SwiGLU activation

@@ -189,6 +189,30 @@ def test_rope_identity_tables_give_the_norm(rng):
     assert torch.allclose(quarter[..., 64:], n[..., 64:], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_rope_to_cache(rng, dtype):
+    """k normed and rotated into slots length[b]..length[b]+S-1 of a NaN-filled cache, v copied
+    beside it (strided: the GEMV outputs' views), every other slot untouched."""
+    b_sz, s, hn, d, r, cap = 2, 3, 2, 128, 64, 11
+    k = randn(rng, b_sz, s, hn, 2 * d, dtype=dtype)[..., :d]
+    v = randn(rng, b_sz, s, hn, d, dtype=dtype)
+    w = eff_weight(rng, d)
+    cos, sin = rope_tables(rng, s, r)
+    kc = torch.full((b_sz, hn, cap, d), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    length = torch.tensor([4, 7], dtype=torch.int32, device=DEV)
+    fo.rms_norm_rope_to_cache(k, v, w, EPS, cos, sin, kc, vc, length)
+    want_k = oracle_rms_norm_rope(k, w, EPS, cos, sin)  # [B,Hn,S,D]
+    for b, start in enumerate(length.tolist()):
+        assert_matches(kc[b:b + 1, :, start:start + s], want_k[b:b + 1], TOL[dtype])
+        assert torch.equal(vc[b, :, start:start + s], v[b].transpose(0, 1))
+        rest = [c for c in range(cap) if not start <= c < start + s]
+        assert torch.isnan(kc[b, :, rest]).all() and torch.isnan(vc[b, :, rest]).all()
+    with pytest.raises(ValueError, match="cache"):
+        fo.rms_norm_rope_to_cache(k, v, w, EPS, cos, sin, kc.float() if dtype != torch.float32 else kc.half(), vc,
+                                  length)
+
+
 # ---------------------------------------------------------------- silu_mul
 SILU_SHAPES = [(1, 1, 96), (2, 5, 300), (3, 3000), (1, 1, 12288)]
 
