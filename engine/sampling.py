@@ -401,7 +401,7 @@ class Sampler:
         self.count += len(tokens)
         self.generated.extend(tokens)
         if tokens and self._seen_mask is not None:
-            self._seen_mask[0, to_device(list(tokens), self.device)] = True
+            self._seen_mask.index_fill_(1, to_device(list(tokens), self.device), True)
 
     def histories(self, drafts: Sequence[int], rows: int) -> list:
         """Penalty histories of ``rows`` consecutive positions: row i has the history plus ``drafts[:i]``."""
@@ -437,21 +437,19 @@ class Sampler:
             return [()]
         if not drafts:
             return self._seen(vocab)
-        mask = self._seen(vocab).clone()
-        mask[0, torch.cat(list(drafts))] = True
-        return mask
+        return self._seen(vocab).clone().index_fill_(1, torch.cat(list(drafts)), True)
 
     def note(self, token: torch.Tensor) -> None:
         """Add the token ``draw_async`` just returned (int64 ``[1]`` on the device) to the penalties'
         seen set, before the next ``draw_async``."""
-        if self.penalised:
-            self._seen_mask[0, token] = True  # an index on the device: no host sync
+        if self.penalised:  # index_fill_: a scalar fill (item assignment copies True to the device: a sync)
+            self._seen_mask.index_fill_(1, token, True)
 
     def _seen(self, vocab: int) -> torch.Tensor:
         """bool ``[1, V]``: the tokens the penalties act on (built once from the history)."""
         if self._seen_mask is None:
             self._seen_mask = torch.zeros(1, vocab, dtype=torch.bool, device=self.hist.device)
-            self._seen_mask[0, self.hist[:self.count]] = True
+            self._seen_mask.index_fill_(1, self.hist[:self.count], True)
         return self._seen_mask
 
     def draw(self, logits: torch.Tensor) -> int:

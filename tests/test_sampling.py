@@ -566,3 +566,28 @@ def test_multinomial_one_is_torch_multinomial(device, test_seed):
         want = torch.multinomial(probs, 1, generator=torch.Generator(device).manual_seed(seed))
         got = multinomial_one(probs, torch.Generator(device).manual_seed(seed))
         assert torch.equal(got, want), (trial, n, k, dtype)
+
+
+@pytest.mark.gpu
+def test_device_draws_never_sync_with_the_host():
+    """What the decode loop runs per token while the GPU works ahead (``draw_async``, ``note``,
+    ``accept``, a draft row's ``seen_with``), with the enhancer's sampling settings: no operation
+    that waits for the GPU (torch's sync debug mode raises on one)."""
+    dev = torch.device("cuda")
+    params = SamplingParams(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5)
+    s = Sampler(params, seed=0, stop_tokens=[1], min_tokens=0, initial_tokens=[3], device=dev, mtp_draft="argmax",
+                room=16)
+    s.accept([5])
+    logits = torch.randn(1, 4096, device=dev) * 4
+    t = s.draw_async(s.mask(logits, 1))  # warm-up: pinned blocks, kernels
+    s.note(t)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t = s.draw_async(s.mask(logits, 2))
+        s.note(t)
+        s.seen_with([t, t], logits.shape[1])
+        s.accept([7])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
