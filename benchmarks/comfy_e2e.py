@@ -37,14 +37,12 @@ but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allo
 peak, by call site (``benchmarks/memory_peak.py``). ``--profile``: the kernels of an eager 1-row
 step and the host's Python functions per token of a generation (cProfile), per format.
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain.
-``--prefetch B [B ...]``: the pack rows once per value of ``kernels.gemv.PREFETCH_BYTES`` (rows
-``pack-pf<B>``; a sweep).
 
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
-        [--kinds core pack pack-plain forced3 standalone] [--prefetch 0 1024 4096]
+        [--kinds core pack pack-sampled pack-plain forced3 standalone] [--timeline]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
 
@@ -292,9 +290,6 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     for max_length in args.max_lengths:
         order = [k for k in ("pack", "pack-sampled", "pack-plain", "forced3", "core") if k in args.kinds
                  and (k != "core" or max_length in args.core_max_lengths)]
-        if args.prefetch and "pack" in order:
-            i = order.index("pack")
-            order[i:i + 1] = [f"pack-pf{b}" for b in args.prefetch]
         for kind in order:
             reset_peak()
             probe = PeakProbe(args.memory and max_length == args.max_lengths[0] and kind in ("core", "pack"))
@@ -348,19 +343,16 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
 
 @contextlib.contextmanager
 def launches(kind: str):
-    """The launch settings of a pack row: ``pack-plain`` without programmatic dependent launch,
-    ``pack-pf<B>`` with ``B`` prefetched bytes per GEMV weight row; restored after."""
-    from qwen35_fast.kernels import capabilities, gemv
+    """The launch settings of a pack row: ``pack-plain`` without programmatic dependent launch
+    (restored after)."""
+    from qwen35_fast.kernels import capabilities
 
-    env, pf = os.environ.get(capabilities.PDL_ENV), gemv.PREFETCH_BYTES
+    env = os.environ.get(capabilities.PDL_ENV)
     if kind == "pack-plain":
         os.environ[capabilities.PDL_ENV] = "0"
-    elif kind.startswith("pack-pf"):
-        gemv.PREFETCH_BYTES = int(kind[len("pack-pf"):])
     try:
         yield
     finally:
-        gemv.PREFETCH_BYTES = pf
         if env is None:
             os.environ.pop(capabilities.PDL_ENV, None)
         else:
@@ -426,8 +418,6 @@ def main() -> None:
                     help="at the first max_length, list what the core and pack rows allocate at their peak")
     ap.add_argument("--timeline", action="store_true",
                     help="also trace the pack's kernels per token of a generation, with and without PDL")
-    ap.add_argument("--prefetch", nargs="+", type=int, default=[],
-                    help="pack rows once per kernels.gemv.PREFETCH_BYTES value (a sweep)")
     ap.add_argument("--json", default="comfy_e2e.json")
     ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()

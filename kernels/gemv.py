@@ -10,7 +10,9 @@ Weights are bf16/fp16 (x's dtype) or int8 with a float32 scale per output row or
 (ComfyUI's ``int8_tensorwise``): weight-only quantization, the int8 values are widened to x's
 dtype in registers (exact: |q| <= 128 fits every float format), multiplied on the tensor cores
 with float32 accumulation, and the scale is applied to the accumulated row. Bytes read: the int8
-weights once. ``hadamard_rotate`` gives x the ConvRot rotation such weights expect.
+weights once. ``hadamard_rotate`` gives x the ConvRot rotation such weights expect. With
+programmatic dependent launch (Hopper+, ``kernels/pdl.py``) a product is scheduled while its
+input's producer finishes and waits for it inside the kernel.
 
 ``gemv_group`` runs up to four weights that read the same x in one launch (a DeltaNet layer's four
 input projections, q/k/v, gate/up). ``split=P`` cuts K into P ranges with programs of their own and
@@ -32,22 +34,19 @@ import triton.language as tl
 
 from .capabilities import triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
-from .pdl import enter, launch_args, prefetch_l2, trigger, wait
+from .pdl import enter, launch_args, trigger, wait
 
 __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_cached",
            "hadamard_rotate", "hadamard_rotate_torch", "split_k"]
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
-#: With programmatic dependent launch (``kernels/pdl.py``): bytes of each weight row's K range a
-#: program asks L2 for before it waits for the kernel that writes x (0: none).
-PREFETCH_BYTES = 1024
 
 
 @triton.jit
 def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: tl.constexpr,
           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          EVEN_K: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):
+          EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,13 +55,8 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
     m_ok = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_PER
-    if PDL:  # the weights are no kernel's output: their first lines are fetched before the wait
-        if PF_LINES > 0:
-            k_last = tl.minimum(k_lo + K_PER, K) - 1
-            cols = tl.minimum(k_lo + tl.arange(0, PF_LINES) * LINE, k_last)
-            prefetch_l2(W + tl.minimum(offs_n, N - 1)[:, None] * sw_n + cols[None, :])
-        wait(PDL)
-        trigger(PDL)
+    wait(PDL)  # x is the previous kernel's output
+    trigger(PDL)  # after the wait: the next product's programs queue behind this one, never ahead
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -72,7 +66,7 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
             k_ok = offs_k < K
             w_mask = n_ok[:, None] & k_ok[None, :]
             x_mask = m_ok[:, None] & k_ok[None, :]
-        if PDL:  # read once: leave L2 to the lines prefetched for the next product
+        if PDL:  # read once: evict first, L2 keeps the activations and partials
             w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0,
                         eviction_policy="evict_first")
         else:
@@ -95,21 +89,21 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
                  sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):
+                 PDL: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
         _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-              EVEN_K, PDL, PF_LINES, LINE)
+              EVEN_K, PDL)
     elif COUNT > 1 and pid < E1:
         _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL, PF_LINES, LINE)
+              BLOCK_K, EVEN_K, PDL)
     elif COUNT > 2 and pid < E2:
         _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL, PF_LINES, LINE)
+              BLOCK_K, EVEN_K, PDL)
     elif COUNT > 3:
         _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL, PF_LINES, LINE)
+              BLOCK_K, EVEN_K, PDL)
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
@@ -240,15 +234,13 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     pad = MAX_GROUP - len(weights)
     ws, ys, ss = weights + [weights[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
-    item = weights[0].element_size()
-    lines = min(PREFETCH_BYTES, k_per * item) // 128
     _gemv_kernel[(total, parts)](
         x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
         *(int(quant and s.numel() > 1) for s in ss), *(y.stride(-2) for y in ys),
         *(y.stride(0) if split > 1 else 0 for y in ys),
         COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-        PF_LINES=1 << (lines.bit_length() - 1) if lines else 0, LINE=128 // item, **launch_args(x.device),
+        **launch_args(x.device),
     )
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
 
