@@ -2,8 +2,9 @@
 
 ``generate`` checks the request once (``request.GenerationRequest``), builds the runner stack
 (``stack.build_runner``) and runs the loop below. Without MTP every step feeds the pending token
-and samples the next one. With MTP (depth k) a step drafts k tokens with the MTP head over the
-catch-up rows (``speculative.draft``), verifies ``[pending, d1..dk]`` in one causal forward of
+and samples the next one, launched one step ahead of the host (``_decode_ahead``). With MTP
+(depth k) a step drafts k tokens with the MTP head over the catch-up rows
+(``speculative.draft``), verifies ``[pending, d1..dk]`` in one causal forward of
 k + 1 rows, accepts a prefix of the drafts plus a correction or bonus token
 (``speculative.accept``), and commits 1 + accepted rows in every layer. The terms are defined in
 ``engine/speculative.py``.
