@@ -10,6 +10,7 @@ import logging
 import torch
 
 from ..kernels import backend_reason, resolve_backend, say_once
+from ..kernels.capabilities import pdl_reason, triton_pdl_reason
 from .binding import Qwen35Binding
 from .cache import ModelCache
 from .errors import Qwen35Error
@@ -71,7 +72,13 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     graphs = bool(cuda_graphs) and blocker is None
     on = "on" if graphs else "off" if blocker is None else f"off ({blocker})"
     if plan is not None:
-        log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s", plan.describe(), on)
+        pdl = pdl_reason(device)
+        if pdl is not None and pdl == triton_pdl_reason():  # a Hopper+ GPU whose Triton cannot overlap
+            say_once(log, f"Qwen3.5 decode kernels launch one after another (1-2% slower on an H200): {pdl}; "
+                          "install Triton 3.4 or newer")
+        overlap = "on" if pdl is None else f"off ({pdl})"
+        log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s, overlapped launches %s", plan.describe(),
+                 on, overlap)
     else:
         log.info("Qwen3.5 decode path: every layer through its module calls (no fused kernels: %s), CUDA graphs %s",
                  no_plan, on)

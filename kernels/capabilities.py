@@ -4,7 +4,8 @@
 * ``triton_reason(device)``: None when Triton kernels can run on ``device``, else why not.
 * ``triton_module(name)``: a Triton kernel module of this package, or why it cannot be imported.
 * ``pdl_reason(device)``: None when the decode kernels may launch with programmatic dependent
-  launch (Hopper+: a kernel starts while its predecessor finishes; ``kernels/pdl.py``), else why not.
+  launch (Hopper+: a kernel starts while its predecessor finishes; ``kernels/pdl.py``), else why not
+  (``triton_pdl_reason()``: the part that is this Triton's).
 * ``say_once(log, msg)``: the warning when a slower path is taken, once per process.
 
 The capability matrix (which backend and path runs where) is in ARCHITECTURE.md.
@@ -53,7 +54,8 @@ PDL_ENV = "QWEN35_FAST_PDL"
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_pdl_reason() -> str | None:
+def triton_pdl_reason() -> str | None:
+    """None when this Triton can launch kernels with programmatic dependent launch, else why not."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
@@ -73,7 +75,7 @@ def _device_pdl_reason(kind: str, index: int | None) -> str | None:
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         return f"needs compute capability 9.0+ (Hopper or newer); this GPU is {major}.{minor}"
-    return _triton_pdl_reason()
+    return triton_pdl_reason()
 
 
 def pdl_reason(device) -> str | None:

@@ -163,9 +163,31 @@ def test_every_generation_says_its_decode_path(model, caplog):
     caplog.set_level(logging.INFO, logger="qwen35_fast.engine.stack")
     for fused, expect in ((False, "every layer through its module calls (no fused kernels: fused=False)"),
                           ("auto", "(no fused kernels: the fused kernels need a CUDA device (running on cpu))"),
-                          (True, "fused kernels, 40 of 40 projections read in place (float32 40)"),
+                          (True, "fused kernels, 40 of 40 projections read in place (float32 40), CUDA graphs off"
+                                 " (CUDA graphs need a CUDA device (running on cpu)), overlapped launches off (needs a "
+                                 "CUDA device"),
                           (False, "(no fused kernels: fused=False)")):
         caplog.clear()
         generate(model, x, max_length=2, mtp="off", fused=fused)
         lines = [r.getMessage() for r in caplog.records if "decode path" in r.getMessage()]
         assert len(lines) == 1 and expect in lines[0], (fused, lines)
+
+
+def test_a_triton_without_overlapped_launches_is_said_once(model, caplog, monkeypatch):
+    """A GPU that could overlap its kernels but whose Triton cannot gets one warning naming the fix;
+    a GPU that cannot (before Hopper) only the decode-path line."""
+    from qwen35_fast.engine import stack
+
+    model, d = model
+    x = torch.randn(1, 3, d["hidden_size"])
+    caplog.set_level(logging.INFO, logger="qwen35_fast.engine.stack")
+    old = "this Triton's launcher takes no launch_pdl (Triton 3.4+ does) [test]"
+    monkeypatch.setattr(stack, "triton_pdl_reason", lambda: old)
+    for reason, warned in (("needs compute capability 9.0+ (Hopper or newer); this GPU is 8.9 [test]", False),
+                           (old, True)):
+        monkeypatch.setattr(stack, "pdl_reason", lambda device, r=reason: r)
+        caplog.clear()
+        generate(model, x, max_length=2, mtp="off", fused=True)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("install Triton 3.4 or newer" in w for w in warnings) == warned, warnings
+        assert any(f"overlapped launches off ({reason})" in r.getMessage() for r in caplog.records)
