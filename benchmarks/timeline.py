@@ -6,8 +6,9 @@ their difference over ``long - short`` tokens, so the prefill, the captures and 
 cancel out. Per token:
 
 - ``busy_us``: the union of kernel intervals (kernels that overlap under programmatic dependent
-  launch count once); ``gap_us``: idle time between kernels, split at ``host_gap_us`` into gaps
-  inside a step (launch and drain) and gaps between steps (the host: sampling, the next replay);
+  launch count once); idle time between kernels, split at ``host_gap_us`` into gaps inside a step
+  (launch and drain) and gaps between steps (the host: sampling, the next replay); gaps over
+  ``one_off_us`` (a graph capture, the prefill's host work) are left out of both;
 - per kernel name: launches and total / mean duration (a kernel launched early under PDL counts
   its waiting time too, so compare durations with plain launches).
 
@@ -40,7 +41,7 @@ def _kernels(fn) -> list[tuple[float, float, str]]:
     return sorted(out)
 
 
-def _stats(kernels, host_gap_us: float) -> dict:
+def _stats(kernels, host_gap_us: float, one_off_us: float) -> dict:
     busy = short = long = 0.0
     names: dict[str, list[float]] = {}
     end = None
@@ -53,7 +54,7 @@ def _stats(kernels, host_gap_us: float) -> dict:
                 gap = s - end
                 if gap <= host_gap_us:
                     short += gap
-                else:
+                elif gap <= one_off_us:
                     long += gap
             busy += e - s
             end = e
@@ -64,10 +65,10 @@ def _stats(kernels, host_gap_us: float) -> dict:
 
 
 def token_timeline(generate_n, short: int = 40, long: int = 140, host_gap_us: float = 20.0,
-                   top: int = 30) -> dict:
+                   one_off_us: float = 5000.0, top: int = 30) -> dict:
     """``generate_n(n)`` runs a generation of n tokens; returns the per-token split (module docstring)."""
-    a = _stats(_kernels(lambda: generate_n(short)), host_gap_us)
-    b = _stats(_kernels(lambda: generate_n(long)), host_gap_us)
+    a = _stats(_kernels(lambda: generate_n(short)), host_gap_us, one_off_us)
+    b = _stats(_kernels(lambda: generate_n(long)), host_gap_us, one_off_us)
     n = long - short
     per = {}
     for name, (count, total) in b["names"].items():
