@@ -67,12 +67,12 @@ def triton_pdl_reason() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_pdl_reason(kind: str, index: int | None) -> str | None:
-    if kind != "cuda" or interpreting():
-        return f"needs a CUDA device without TRITON_INTERPRET (got {kind})"
+def _device_pdl_reason(device: torch.device) -> str | None:
+    if device.type != "cuda" or interpreting():
+        return f"needs a CUDA device without TRITON_INTERPRET (got {device.type})"
     if torch.version.hip is not None:
         return "ROCm has no programmatic dependent launch"
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         return f"needs compute capability 9.0+ (Hopper or newer); this GPU is {major}.{minor}"
     return triton_pdl_reason()
@@ -82,11 +82,12 @@ def pdl_reason(device) -> str | None:
     """None when Triton kernels on ``device`` may launch with programmatic dependent launch, else
     why not (one line). Off on the interpreter, ROCm, GPUs before Hopper, Triton before 3.4, and
     with ``QWEN35_FAST_PDL=0``. Plain launches are the same kernels without the overlap."""
-    if os.environ.get(PDL_ENV, "1") == "0":
+    if os.environ.get(PDL_ENV) == "0":
         return f"{PDL_ENV}=0"
-    dev = torch.device(device)
-    index = dev.index if dev.type != "cuda" or dev.index is not None else torch.cuda.current_device()
-    return _device_pdl_reason(dev.type, index)
+    dev = device if isinstance(device, torch.device) else torch.device(device)  # called per kernel launch
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return _device_pdl_reason(dev)
 
 
 _SAID: set[str] = set()

@@ -63,7 +63,11 @@ def trigger(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+
+
 def launch_args(device) -> dict:
-    """Launch keywords for a kernel with a ``PDL`` constexpr: ``{"PDL": True, "launch_pdl": True}``
-    where ``capabilities.pdl_reason(device)`` is None, else ``{"PDL": False}``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_reason(device) is None else {"PDL": False}
+    """Launch keywords for a kernel with a ``PDL`` constexpr (pass as ``**launch_args(device)``;
+    not to be modified): ``{"PDL": True, "launch_pdl": True}`` where
+    ``capabilities.pdl_reason(device)`` is None, else ``{"PDL": False}``."""
+    return _ON if pdl_reason(device) is None else _OFF
