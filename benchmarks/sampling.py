@@ -53,9 +53,9 @@ def main() -> None:
     dev = torch.device("cuda")
     params = SamplingParams(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5)
     sampler = Sampler(params, seed=0, stop_tokens=[], min_tokens=0, initial_tokens=list(range(0, 4000, 7)),
-                      device=dev, mtp_draft="argmax", room=64)
+                      device=dev, mtp_draft="argmax")
     logits = torch.randn(1, args.vocab, device=dev) * 4
-    seen = sampler.seen_with([], args.vocab)
+    seen = sampler.seen_rows(None, 1, args.vocab)
     x = _penalised_tempered(logits, seen, params)
     values, _ = torch.topk(x, 20)
     probs = _filtered_softmax(values, params)

@@ -105,8 +105,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
                           attention=req.attention, mtp=req.mtp_depth > 0, fused=req.fused,
                           cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill)
     sampler = Sampler(req.sampling, seed=req.seed, stop_tokens=req.stop_tokens, min_tokens=req.min_tokens,
-                      initial_tokens=req.initial_tokens, device=req.device, mtp_draft=req.mtp_draft,
-                      room=req.max_length + req.mtp_depth + 1)
+                      initial_tokens=req.initial_tokens, device=req.device, mtp_draft=req.mtp_draft)
     stats = GenerationStats(mtp_depth=req.mtp_depth, attention_backend=backend)
     with torch.no_grad(), binding.holding_output_weight():
         return _run(binding, runner, sampler, stats, req, callback)

@@ -366,12 +366,13 @@ def token_ids(tokens: list[int], device) -> torch.Tensor:
 
 
 class Sampler:
-    """The sampling state of one generate() call: the tokens generated so far, the penalty history
-    (kept on the device), the generator, stop tokens and ``min_tokens``. Kept off the model, so an
-    interrupt leaves nothing behind. ``mtp_draft`` is how drafts are made (see ``speculative``)."""
+    """The sampling state of one generate() call: the tokens generated so far, the penalties' seen
+    set (a bool mask on the device), the generator, stop tokens and ``min_tokens``. Kept off the
+    model, so an interrupt leaves nothing behind. ``mtp_draft`` is how drafts are made (see
+    ``speculative``)."""
 
     def __init__(self, params: SamplingParams, *, seed: int, stop_tokens, min_tokens: int, initial_tokens, device,
-                 mtp_draft, room: int):
+                 mtp_draft):
         self.params = params
         self.greedy = params.greedy
         self.generator = None if self.greedy else torch.Generator(device=device).manual_seed(int(seed))
@@ -381,34 +382,32 @@ class Sampler:
         self.generated: list[int] = []
         self.mtp_draft = mtp_draft
         self.device = device
-        # Token history for the penalties, kept on the device so that long answers do not rebuild it
-        # from a Python list at every position: initial tokens, generated tokens, then scratch rows.
-        initial = [int(t) for t in initial_tokens]
         self.penalised = not self.greedy and (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0)
-        self.hist = torch.zeros(len(initial) + room, dtype=torch.int64, device=device)
-        self.count = 0
-        self._write(initial)
-        self.count = len(initial)
-        self._seen_mask: torch.Tensor | None = None  # draw_async's seen set, once it is needed
-
-    def _write(self, tokens: Sequence[int]) -> None:
-        if tokens and self.penalised:  # only the penalties read the history
-            self.hist[self.count:self.count + len(tokens)] = to_device(list(tokens), self.device)
+        self._initial = [int(t) for t in initial_tokens]
+        # The tokens the penalties act on, bool [1, V] on the device, built at the first penalised
+        # draw (the vocabulary comes with the logits) and updated there: no draw waits for the host.
+        self._seen_mask: torch.Tensor | None = None
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Append generated tokens."""
-        self._write(tokens)
-        self.count += len(tokens)
         self.generated.extend(tokens)
         if tokens and self._seen_mask is not None:
             self._seen_mask.index_fill_(1, to_device(list(tokens), self.device), True)
 
-    def histories(self, drafts: Sequence[int], rows: int) -> list:
-        """Penalty histories of ``rows`` consecutive positions: row i has the history plus ``drafts[:i]``."""
+    def seen_rows(self, drafts: torch.Tensor | None, rows: int, vocab: int) -> list | torch.Tensor:
+        """Penalty histories of ``rows`` consecutive positions (``target_probs``'s ``histories``):
+        row i has the seen set plus ``drafts[:i]`` (int64 on the device). ``[()] * rows`` without
+        penalties, else bool ``[rows, V]`` (device ops only: a draft or verify never waits for the
+        host; a single row without drafts is the seen set itself, not to be modified)."""
         if not self.penalised:
             return [()] * rows
-        self._write(drafts)
-        return [self.hist[:self.count + i] for i in range(rows)]
+        seen = self._seen(vocab)
+        if rows == 1:
+            return seen
+        out = seen.expand(rows, vocab).clone()
+        for j in range(rows - 1):  # draft j joins the rows after it (index_fill_: a scalar, no copy)
+            out[j + 1:].index_fill_(1, drafts[j:j + 1], True)
+        return out
 
     def mask(self, logits: torch.Tensor, first_count: int) -> torch.Tensor:
         """Forbid stop tokens on rows whose position is before ``min_tokens``. logits ``[N,V]``."""
@@ -425,19 +424,8 @@ class Sampler:
         this token before it reads it: ``note`` the token first, ``accept`` its value later."""
         if self.greedy:
             return logits[0].argmax().reshape(1)
-        histories = self._seen(logits.shape[1]) if self.penalised else [()]
-        probs, ids = target_candidates(logits, histories, self.params)
+        probs, ids = target_candidates(logits, self.seen_rows(None, 1, logits.shape[1]), self.params)
         return sample(probs, self.generator, candidates=ids)
-
-    def seen_with(self, drafts: Sequence[torch.Tensor], vocab: int) -> list | torch.Tensor:
-        """The penalty history of the row after ``drafts`` (int64 ``[1]`` tensors on the device):
-        ``[()]`` without penalties, else the seen set with the drafts added, bool ``[1, V]`` (device
-        ops only: drafting never waits for the host)."""
-        if not self.penalised:
-            return [()]
-        if not drafts:
-            return self._seen(vocab)
-        return self._seen(vocab).clone().index_fill_(1, torch.cat(list(drafts)), True)
 
     def note(self, token: torch.Tensor) -> None:
         """Add the token ``draw_async`` just returned (int64 ``[1]`` on the device) to the penalties'
@@ -446,10 +434,13 @@ class Sampler:
             self._seen_mask.index_fill_(1, token, True)
 
     def _seen(self, vocab: int) -> torch.Tensor:
-        """bool ``[1, V]``: the tokens the penalties act on (built once from the history)."""
+        """bool ``[1, V]``: the tokens the penalties act on (built once from the initial and the
+        generated tokens, then kept up to date by ``accept`` and ``note``)."""
         if self._seen_mask is None:
-            self._seen_mask = torch.zeros(1, vocab, dtype=torch.bool, device=self.hist.device)
-            self._seen_mask.index_fill_(1, self.hist[:self.count], True)
+            self._seen_mask = torch.zeros(1, vocab, dtype=torch.bool, device=self.device)
+            tokens = self._initial + self.generated
+            if tokens:
+                self._seen_mask.index_fill_(1, to_device(tokens, self.device), True)
         return self._seen_mask
 
     def draw(self, logits: torch.Tensor) -> int:
@@ -458,5 +449,5 @@ class Sampler:
             return int(logits[0].argmax())
         # ComfyUI's own draw (same candidate list and order, same generator use): with MTP off the
         # same seed gives core's tokens.
-        probs, ids = target_candidates(logits, self.histories((), 1), self.params)
+        probs, ids = target_candidates(logits, self.seen_rows(None, 1, logits.shape[1]), self.params)
         return int(sample(probs, self.generator, candidates=ids)[0])

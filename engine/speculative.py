@@ -67,7 +67,8 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
         elif sampler.greedy:
             drafts.append(logits[0].argmax().reshape(1))
         else:
-            q = target_probs(logits, sampler.seen_with(drafts, logits.shape[1]), sampler.params)
+            q = target_probs(logits, sampler.seen_rows(torch.cat(drafts) if drafts else None, j + 1,
+                                                       logits.shape[1])[-1:], sampler.params)
             if sampler.mtp_draft == "sample":
                 drafts.append(sample(q, sampler.generator, top_k=sampler.params.top_k))
                 qs[-1] = q[0]
@@ -88,8 +89,8 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor, qs) -> 
         while accepted < k and target[accepted] == proposed[accepted]:
             accepted += 1
         return proposed[:accepted] + [target[accepted]], accepted
+    probs = target_probs(logits, sampler.seen_rows(drafts, k + 1, logits.shape[1]), sampler.params)
     proposed = drafts.tolist()
-    probs = target_probs(logits, sampler.histories(proposed, k + 1), sampler.params)
     new: list[int] = []
     for i in range(k):
         ok, correction = speculative_accept(probs[i], proposed[i], sampler.generator, qs[i])

@@ -526,27 +526,28 @@ def test_target_candidates_match_target_probs(rng):
 
 
 def test_sampler_seen_set_on_the_device():
-    """The penalties' seen set that device-side draws use (``draw_async``, MTP drafts): the initial
-    and accepted tokens, a noted in-flight token, and a row's drafts, against a set built by hand."""
+    """The penalties' seen set that every draw reads (``draw_async``, ``draw``, MTP drafts and
+    verify rows): the initial and accepted tokens, a noted in-flight token, and per row the drafts
+    before it, against sets built by hand."""
     params = SamplingParams(do_sample=True, presence_penalty=1.5)
     s = Sampler(params, seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[4, 9], device="cpu",
-                mtp_draft="argmax", room=16)
+                mtp_draft="argmax")
     s.accept([2, 9])
     v = 12
 
     def ids(mask):
-        return set(mask[0].nonzero().flatten().tolist())
+        return [set(row.nonzero().flatten().tolist()) for row in mask]
 
-    assert ids(s.seen_with([], v)) == {2, 4, 9}
-    drafts = [torch.tensor([7]), torch.tensor([4]), torch.tensor([11])]
-    assert ids(s.seen_with(drafts, v)) == {2, 4, 7, 9, 11}
-    assert ids(s.seen_with([], v)) == {2, 4, 9}  # a row's drafts leave the seen set itself alone
+    assert ids(s.seen_rows(None, 1, v)) == [{2, 4, 9}]
+    drafts = torch.tensor([7, 4, 11])
+    assert ids(s.seen_rows(drafts, 4, v)) == [{2, 4, 9}, {2, 4, 7, 9}, {2, 4, 7, 9}, {2, 4, 7, 9, 11}]
+    assert ids(s.seen_rows(None, 1, v)) == [{2, 4, 9}]  # the rows' drafts leave the seen set itself alone
     s.note(torch.tensor([5]))
     s.accept([5, 3])
-    assert ids(s.seen_with([], v)) == {2, 3, 4, 5, 9}
+    assert ids(s.seen_rows(None, 1, v)) == [{2, 3, 4, 5, 9}]
     plain = Sampler(SamplingParams(do_sample=True), seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[4],
-                    device="cpu", mtp_draft="argmax", room=4)
-    assert plain.seen_with(drafts, v) == [()]
+                    device="cpu", mtp_draft="argmax")
+    assert plain.seen_rows(drafts, 4, v) == [()] * 4
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -571,12 +572,11 @@ def test_multinomial_one_is_torch_multinomial(device, test_seed):
 @pytest.mark.gpu
 def test_device_draws_never_sync_with_the_host():
     """What the decode loop runs per token while the GPU works ahead (``draw_async``, ``note``,
-    ``accept``, a draft row's ``seen_with``), with the enhancer's sampling settings: no operation
+    ``accept``, verify rows' ``seen_rows``), with the enhancer's sampling settings: no operation
     that waits for the GPU (torch's sync debug mode raises on one)."""
     dev = torch.device("cuda")
     params = SamplingParams(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5)
-    s = Sampler(params, seed=0, stop_tokens=[1], min_tokens=0, initial_tokens=[3], device=dev, mtp_draft="argmax",
-                room=16)
+    s = Sampler(params, seed=0, stop_tokens=[1], min_tokens=0, initial_tokens=[3], device=dev, mtp_draft="argmax")
     s.accept([5])
     logits = torch.randn(1, 4096, device=dev) * 4
     t = s.draw_async(s.mask(logits, 1))  # warm-up: pinned blocks, kernels
@@ -586,7 +586,7 @@ def test_device_draws_never_sync_with_the_host():
     try:
         t = s.draw_async(s.mask(logits, 2))
         s.note(t)
-        s.seen_with([t, t], logits.shape[1])
+        s.seen_rows(torch.cat([t, t]), 3, logits.shape[1])
         s.accept([7])
     finally:
         torch.cuda.set_sync_debug_mode(0)
