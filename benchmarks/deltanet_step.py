@@ -5,7 +5,11 @@ the 24 DeltaNet layers of two decode steps would; the median of many replays is 
 launch, with the bytes each launch must move (state read, one state written per row) over the
 measured copy bandwidth as the floor.
 
-Usage: python benchmarks/deltanet_step.py [--rows 1 4] [--json out.json]
+With ``--rotate 256`` every launch also returns its output ConvRot-rotated, as an int8_convrot
+``out_proj`` reads it: whole heads (1 block) pay a ``hadamard_rotate`` launch after the step, split
+value columns get it from the gated norm's kernel.
+
+Usage: python benchmarks/deltanet_step.py [--rows 1 4] [--rotate 256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]
 HK, HV, DK, DV, K = 16, 32, 128, 128, 4
 
 
-def time_config(rows: int, config, n: int = 48, reps: int = 50) -> float:
+def time_config(rows: int, config, n: int = 48, reps: int = 50, rotate: int = 0) -> float:
     """Median microseconds per launch."""
     dt = torch.bfloat16
     c = 2 * HK * DK + HV * DV
@@ -48,7 +52,7 @@ def time_config(rows: int, config, n: int = 48, reps: int = 50) -> float:
     def launch_all():
         for st, so in zip(states, outs):
             gated_delta_step(qkv, z, a, b, conv, w, neg_a, dt_bias, st, nw, 1e-6, key_heads=HK,
-                             states_out=so, config=config)
+                             states_out=so, config=config, rotate=rotate)
 
     return graph_replay_us(launch_all, calls=n, replays=reps, warm=1, warm_replays=0)
 
@@ -56,17 +60,18 @@ def time_config(rows: int, config, n: int = 48, reps: int = 50) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--rotate", type=int, default=0, help="ConvRot group of the output (0: none)")
     ap.add_argument("--json", default="deltanet_step.json")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'rows':>4} {'blocks':>6} {'warps':>5} {'us':>7} {'floor us':>8} {'floor%':>6}")
-    out = {"copy_bw_Bps": bw, "rows": []}
+    out = {"copy_bw_Bps": bw, "rotate": args.rotate, "rows": []}
     for rows in args.rows:
         floor = (DK * DV * 4 * HV * (1 + rows)) / bw * 1e6
         for config in [None] + CONFIGS:
-            us = time_config(rows, config)
-            cfg = _config(DK, DV, rows) if config is None else config
+            us = time_config(rows, config, rotate=args.rotate)
+            cfg = _config(DK, DV, rows, bool(args.rotate)) if config is None else config
             out["rows"].append({"rows": rows, "blocks": cfg[0], "warps": cfg[1], "tuned": config is None,
                                 "us": us, "floor_us": floor})
             print(f"{rows:>4} {cfg[0]:>6} {cfg[1]:>5} {us:>7.2f} {floor:>8.2f} {100 * floor / us:>5.0f}%"

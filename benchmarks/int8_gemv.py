@@ -20,7 +20,12 @@ the scales) / measured copy bandwidth, the bf16 floor twice that. ``rel_err``: t
 of the rotated x against ``x @ W.T`` in float64, W as comfy-kitchen dequantizes the rows (the
 first 4096 output rows).
 
-Usage: python benchmarks/int8_gemv.py [--rows 1 4] [--json out.json]
+``--sweep``: int8 only, 1 row: every group under every config of ``SWEEP`` (and the split-K
+launches under several K ranges), sorted fastest first. One launch at a time only: a config that
+wins here can lose inside the decode step (``kernels.gemv._config`` says which did); check a
+change with ``comfy_e2e.py``.
+
+Usage: python benchmarks/int8_gemv.py [--rows 1 4] [--sweep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,6 +61,50 @@ CONFIGS = [(32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (32, 128, 4, 5), (
            (128, 128, 8, 4), (32, 256, 8, 4), (64, 256, 8, 4), (32, 512, 8, 3), (16, 512, 4, 3)]
 SPLITS = [2, 3, 4, 6, 8]
 GROUP = 256
+#: --sweep: configs (BLOCK_N, BLOCK_K, warps, stages) and, per group, the K ranges
+SWEEP = [(32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 4, 5), (32, 128, 4, 6), (32, 256, 4, 2), (32, 256, 4, 3),
+         (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 2), (64, 256, 4, 3), (64, 256, 4, 4),
+         (16, 256, 4, 4), (16, 512, 4, 3), (128, 128, 4, 3)]
+SWEEP_SPLITS = {"mlp down": (2, 4, 6), "deltanet out": (2, 4), "attn o": (2, 4)}
+
+
+def int8_sets(ns: list[int], k: int) -> tuple[list, list]:
+    """Enough distinct int8 copies of a group's weights (>= 256 MB) that nothing is served from L2,
+    and their float32 per-row scales."""
+    nbytes = sum(n * k + 4 * n for n in ns)
+    copies = max(2, -(-(256 << 20) // nbytes))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sets = [[torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen) for n in ns]
+            for _ in range(copies)]
+    return sets, [torch.rand(n, device="cuda", generator=gen) * 1e-3 + 1e-4 for n in ns]
+
+
+def sweep_int8(bw: float) -> list[dict]:
+    """``--sweep``: microseconds per launch of every group at 1 row, per config and K split."""
+    rows = []
+    for name, ns, k, _, _, _ in GROUPS:
+        if name == "lm_head":
+            continue
+        sets, scales = int8_sets(ns, k)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        floor = sum(n * k + 4 * n for n in ns) / bw * 1e6
+        timed = []
+        for cfg in SWEEP:
+            for p in SWEEP_SPLITS.get(name, (1,)):
+                us = chained_us(lambda ws, p=p, cfg=cfg: gemv_group(x, ws, scales=scales, config=cfg, split=p), sets)
+                timed.append({"config": cfg, "split": p, "us": us})
+        del sets
+        timed.sort(key=lambda r: r["us"])
+        split = split_k(ns[0], k, True) if name in SWEEP_SPLITS else 1
+        pick = _config(sum(ns), k, True)
+        picked = next((r["us"] for r in timed if tuple(r["config"]) == pick and r["split"] == split), None)
+        rows.append({"group": name, "ns": ns, "k": k, "floor_us": floor, "picked": [pick, split, picked],
+                     "timed": timed})
+        best = timed[0]
+        print(f"{name:>24} floor {floor:6.1f} us | picked {pick} split {split}: {picked:6.2f} | best "
+              f"{best['config']} split {best['split']}: {best['us']:6.2f} ({100 * floor / best['us']:3.0f}%)",
+              flush=True)
+    return rows
 
 
 def sweep(fn, picked, sets, configs=CONFIGS) -> dict:
@@ -82,10 +131,14 @@ def comfy_dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--sweep", action="store_true", help="int8 at 1 row, every config of SWEEP (see above)")
     ap.add_argument("--json", default="int8_gemv.json")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name(0)}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.sweep:
+        Path(args.json).write_text(json.dumps({"copy_bw_Bps": bw, "sweep": sweep_int8(bw)}, indent=1))
+        return
     h = hadamard(GROUP, device="cuda", dtype=torch.bfloat16)
     results = []
     for rows in args.rows:
@@ -93,11 +146,9 @@ def main() -> None:
                 "int8_best": 0.0}
         for name, ns, k, uses, into_norm, rotation in GROUPS:
             nbytes = sum(n * k + 4 * n for n in ns)
-            copies = max(2, -(-(256 << 20) // nbytes))
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            sets = [[torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen) for n in ns]
-                    for _ in range(copies)]
-            scales = [torch.rand(n, device="cuda", generator=gen) * 1e-3 + 1e-4 for n in ns]
+            sets, scales = int8_sets(ns, k)
+            copies = len(sets)
+            gen = torch.Generator(device="cuda").manual_seed(1)
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             xr = hadamard_rotate(x, h)
             ref = x.double() @ comfy_dequantized(sets[0][0][:4096], scales[0][:4096]).T  # the first 4096 rows

@@ -10,10 +10,11 @@ residual add + RMSNorm, and the MLP with a fused SiLU-multiply. The torch path i
 computes the same function (prefill always uses it).
 
 Two launch savings for ComfyUI's int8 ConvRot weights and the 4096-wide outputs: the norm, SiLU
-and gate kernels also write their output ConvRot-rotated when int8 ConvRot projections read it
-(``norm_rotation``; the projections then skip their own rotation launch), and a projection whose
-output only feeds the next norm (``into_norm``: DeltaNet out, attention o, MLP down) returns
-split-K float32 partials (``kernels.gemv.split_k``) that the norm kernel sums.
+and gate kernels and the DeltaNet step's gated norm also write their output ConvRot-rotated when
+int8 ConvRot projections read it (``norm_rotation``; the projections then skip their own rotation
+launch), and a projection whose output only feeds the next norm (``into_norm``: DeltaNet out,
+attention o, MLP down) returns split-K float32 partials (``kernels.gemv.split_k``) that the norm
+kernel sums.
 
 ``FusedPlan.build`` reads the norm weights once (as each norm module would apply them), resolves
 the projections, and says why fusion is impossible when a module is not the plain Qwen3.5 kind
@@ -315,10 +316,12 @@ class FusedPlan:
     def deltanet(self, i: int, la, xn: torch.Tensor, state, neg_a, dt_bias, key_heads: int,
                  states_out: torch.Tensor, window_out: torch.Tensor) -> torch.Tensor:
         """Fused DeltaNet mixer for S rows; writes per-row states / the conv window into the given
-        buffers (the caller stages them). xn ``[B,S,H]`` -> ``[B,S,H]``."""
+        buffers (the caller stages them). xn ``[B,S,H]`` -> ``[B,S,H]`` (or split-K partials, for
+        ``norm``); for an int8 ConvRot out_proj the step's gated norm writes its output rotated too."""
         qkv, z, a, b = self.lins((la.in_proj_qkv, la.in_proj_z, la.in_proj_a, la.in_proj_b), xn)
-        out, _, _ = self.step.gated_delta_step(
+        group = self._rotation_of((la.out_proj,))
+        res = self.step.gated_delta_step(
             qkv, z, a, b, state.conv, self.convs[i],
             neg_a, dt_bias, state.recurrent, self.norms[f"layers.{i}.linear_attn.norm"], self.eps,
-            key_heads=key_heads, states_out=states_out, window_out=window_out)
-        return self.lin(la.out_proj, out, into_norm=True)
+            key_heads=key_heads, states_out=states_out, window_out=window_out, rotate=group)
+        return self.lin(la.out_proj, res[0], (group, res[3]) if group else None, into_norm=True)

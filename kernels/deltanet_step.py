@@ -11,6 +11,9 @@ number of rows. The unfused torch path (``engine/deltanet.py`` + the layer's mod
 same function; rounding points follow it: conv output and SiLU are rounded to the execution dtype,
 as is ``o`` before the norm and the normalised ``o`` before the gate. With programmatic dependent
 launch (``kernels/pdl.py``) the state and the constants are read before waiting for the projections.
+With ``rotate=G`` the output is also written ConvRot-rotated, as an int8_convrot ``out_proj``
+reads it: the value columns are then split over programs and a second small kernel does the
+gated norm over two heads at a time (a group of 256 spans two 128-wide heads) and the rotation.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .convrot import convrot_group_ok
+from .fused_ops import convrot_tile
+from .gemv import hadamard_cached, hadamard_rotate
 from .pdl import enter, launch_args, trigger, wait
 
 
@@ -124,20 +130,28 @@ def _step_kernel(
 
 
 @triton.jit
-def _gated_norm_kernel(OUT, Z, NW, so_b, so_s, sz_b, sz_s, eps, HV: tl.constexpr, S: tl.constexpr,
-                       DV: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
-    """In place on OUT ``[B,S,HV*DV]``: ``rms_norm(o) * w * silu(z)`` per (b, row, head)."""
+def _gated_norm_kernel(OUT, Z, NW, H, OROT, so_b, so_s, sz_b, sz_s, eps, HV: tl.constexpr, S: tl.constexpr,
+                       DV: tl.constexpr, GH: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr,
+                       DT: tl.constexpr, PDL: tl.constexpr):
+    """In place on OUT ``[B,S,HV*DV]``: ``rms_norm(o) * w * silu(z)`` per (b, row, head), GH heads
+    per program; with ROT (16 or 256) the result is also written ConvRot-rotated to OROT (same
+    shape), the GH * DV columns being whole groups."""
     enter(PDL)
     pid = tl.program_id(0)
-    h = pid % HV
-    t = (pid // HV) % S
-    b = pid // (HV * S)
-    offs = tl.arange(0, DV)
-    ptr = OUT + b * so_b + t * so_s + h * DV + offs
-    o = tl.load(ptr).to(tl.float32)
-    n = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps) * tl.load(NW + offs), DT)
-    z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs).to(tl.float32)
-    tl.store(ptr, (n * (z * tl.sigmoid(z))).to(DT))
+    NG: tl.constexpr = HV // GH
+    g = pid % NG
+    t = (pid // NG) % S
+    b = pid // (NG * S)
+    offs = g * (GH * DV) + tl.arange(0, GH * DV)
+    ptr = OUT + b * so_b + t * so_s + offs
+    o = tl.reshape(tl.load(ptr).to(tl.float32), (GH, DV))
+    inv = tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)
+    n = _round(tl.reshape(o * inv[:, None] * tl.load(NW + tl.arange(0, DV))[None, :], (GH * DV,)), DT)
+    z = tl.load(Z + b * sz_b + t * sz_s + offs).to(tl.float32)
+    y = (n * (z * tl.sigmoid(z))).to(DT)
+    tl.store(ptr, y)
+    if ROT > 0:
+        tl.store(OROT + (b * S + t) * (HV * DV) + offs, convrot_tile(y, H, ROT, GH * DV, IEEE).to(DT))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -162,7 +176,8 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
                      conv_state: torch.Tensor, conv_weight: torch.Tensor, neg_a: torch.Tensor,
                      dt_bias: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
                      key_heads: int, states_out: torch.Tensor | None = None,
-                     window_out: torch.Tensor | None = None, config: tuple[int, int] | None = None):
+                     window_out: torch.Tensor | None = None, config: tuple[int, int] | None = None,
+                     rotate: int = 0):
     """Fused Gated DeltaNet rows (see the module docstring).
 
     qkv ``[B,S,2*Hk*Dk+Hv*Dv]`` (in_proj_qkv output; last dim contiguous), z ``[B,S,Hv*Dv]``, a, b
@@ -174,7 +189,11 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
     Returns ``(out [B,S,Hv*Dv] dtype, states [S,B,Hv,Dk,Dv] float32 (state after each row),
     window [B,C,K-1+S] dtype (old conv state then the S new rows))``; ``states_out`` /
     ``window_out`` may be given (contiguous, those shapes) to write into. ``config``: (value-column
-    blocks, warps) to override the tuned choice (benchmarks, tests).
+    blocks, warps) to override the tuned choice (benchmarks, tests). ``rotate=G`` (a ConvRot group
+    size dividing Hv*Dv) appends ``out`` ConvRot-rotated in groups of G (``[B,S,Hv*Dv]``, float32
+    products of the rounded ``out``, one rounding), what an int8 ConvRot ``out_proj`` reads: for G
+    16 or 256 the gated norm's kernel writes it (then the value columns are always split, so that
+    kernel runs), else one ``hadamard_rotate`` launch.
     """
     bsz, s, c = qkv.shape
     hv = a.shape[-1]
@@ -214,7 +233,13 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
         raise ValueError(f"gated_delta_step: states_out must be contiguous {(s, bsz, hv, dk, dv)}")
     if tuple(window_out.shape) != (bsz, c, kernel - 1 + s) or window_out.stride(-1) != 1:
         raise ValueError(f"gated_delta_step: window_out must be {(bsz, c, kernel - 1 + s)} with a contiguous last dim")
-    split, warps = _config(dk, dv, s) if config is None else config
+    if rotate and (not convrot_group_ok(rotate) or (hv * dv) % rotate):
+        raise ValueError(f"gated_delta_step: rotate={rotate} must be a ConvRot group size (a power of 4) that "
+                         f"divides the output width {hv * dv}")
+    heads = _rotation_heads(rotate, hv, dv)  # value heads per gated-norm program (0: no rotation there)
+    split, warps = _config(dk, dv, s, bool(heads)) if config is None else config
+    if split == 1:  # whole heads: the step kernel does the gated norm itself, a rotation launch follows
+        heads = 0
     if dv % split or not _pow2(dv // split):
         raise ValueError(f"gated_delta_step: cannot split {dv} value columns into {split} power-of-two blocks")
     _step_kernel[(bsz * hv, split)](
@@ -227,18 +252,42 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
         HV=hv, REP=hv // key_heads, KEY_DIM=key_dim, DK=dk, DV=dv, BV=dv // split, S=s, K=kernel,
         DT=_TL_DTYPES[dt], num_warps=warps, **launch_args(qkv.device),
     )
+    out_rot = torch.empty_like(out) if heads else out
     if split > 1:
-        _gated_norm_kernel[(bsz * s * hv,)](
-            out, z, norm_weight, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(eps),
-            HV=hv, S=s, DV=dv, DT=_TL_DTYPES[dt], num_warps=4, **launch_args(qkv.device))
-    return out, states_out, window_out
+        gh = heads or 1
+        hmat = hadamard_cached(16, qkv.device, dt) if heads else out
+        _gated_norm_kernel[(bsz * s * (hv // gh),)](
+            out, z, norm_weight, hmat, out_rot, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(eps),
+            HV=hv, S=s, DV=dv, GH=gh, ROT=rotate if heads else 0, IEEE=dt == torch.float32, DT=_TL_DTYPES[dt],
+            num_warps=4, **launch_args(qkv.device))
+    if not rotate:
+        return out, states_out, window_out
+    if not heads:
+        out_rot = hadamard_rotate(out, hadamard_cached(rotate, out.device, dt))
+    return out, states_out, window_out, out_rot
 
 
-def _config(dk: int, dv: int, rows: int) -> tuple[int, int]:
+def _rotation_heads(rotate: int, hv: int, dv: int) -> int:
+    """Value heads per gated-norm program when that kernel can write the ConvRot-``rotate`` output
+    (G 16 or 256 over whole groups of at least 256 columns, as ``fused_ops.convrot_tile`` takes),
+    else 0."""
+    if rotate not in (16, 256):
+        return 0
+    width = max(rotate, 256)
+    if width % dv or hv % (width // dv):
+        return 0
+    return width // dv
+
+
+def _config(dk: int, dv: int, rows: int, rotate: bool = False) -> tuple[int, int]:
     """(value-column blocks, warps) for one launch. Measured on an H200 at the 9B shape (Dk = Dv =
     128, 32 heads, ``benchmarks/deltanet_step.py``): 1 row, whole heads with 4 warps 6.4 us (8
     warps 10.0); 4 rows, 4 column blocks with 4 warps 12.8 us (whole heads, 8 warps 50.6): more
-    programs hide the serial row chain, 4 warps keep the state tile out of local memory."""
-    if rows == 1 or dv % 4 or dv // 4 < 16:
+    programs hide the serial row chain, 4 warps keep the state tile out of local memory. ``rotate``
+    (the gated norm's kernel writes a ConvRot-256 output): 1 row, 4 column blocks + that kernel
+    5.9 us against 8.0 for whole heads + a rotation launch (``--rotate 256``)."""
+    if dv % 4 or dv // 4 < 16:
+        return 1, 4
+    if rows == 1 and not rotate:
         return 1, 4
     return 4, 4

@@ -55,7 +55,7 @@ _NORM_SLICE = 512  # columns each add_rms_norm program writes (each reads its wh
 
 # ------------------------------------------------------------------ kernels
 @triton.jit
-def _convrot_tile(y, H, G: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+def convrot_tile(y, H, G: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
     """``[BLOCK]`` values (already in the io dtype) with every group of G (16 or 256) times H_G,
     float32 out. H points to H_16 ``[16, 16]`` in the io dtype; H_256 = H_16 (x) H_16, so a group
     as a 16x16 matrix X (X[a, b] = y[16a + b]) becomes H_16 X H_16 (H_16 is symmetric)."""
@@ -105,13 +105,16 @@ def _add_rms_norm_kernel(
     inv = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
     sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
     ok = sc < n_cols
-    hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
+    if SLICE == BLOCK:  # one program per row: the row is in registers already
+        hs = h
+    else:
+        hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
     if HAS_RES:
         tl.store(HOUT + row * n_cols + sc, hs.to(DT), mask=ok)
     y = (hs * inv * tl.load(W + sc * sw, mask=ok, other=0.0)).to(DT)
     tl.store(Y + row * n_cols + sc, y, mask=ok)
     if ROT > 0:
-        tl.store(YROT + row * n_cols + sc, _convrot_tile(y, H, ROT, SLICE, IEEE).to(DT), mask=ok)
+        tl.store(YROT + row * n_cols + sc, convrot_tile(y, H, ROT, SLICE, IEEE).to(DT), mask=ok)
 
 
 @triton.jit
@@ -170,7 +173,7 @@ def _silu_mul_kernel(G, U, OUT, H, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE
     out = (act * u).to(OUT.dtype.element_ty)
     tl.store(OUT + row * n_cols + cols, out, mask=ok)
     if ROT > 0:
-        tl.store(OROT + row * n_cols + cols, _convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty),
+        tl.store(OROT + row * n_cols + cols, convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty),
                  mask=ok)
 
 
@@ -197,7 +200,7 @@ def _sigmoid_gate_kernel(
     out = (o * sig).to(OUT.dtype.element_ty)
     tl.store(OUT + at, out, mask=ok)
     if ROT > 0:
-        tl.store(OROT + at, _convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(OROT + at, convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty), mask=ok)
 
 
 # ------------------------------------------------------------------ helpers
@@ -286,7 +289,7 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, *, rotate: int = 0) -> tuple[torch.Tensor, ...]:
+                 eps: float, *, rotate: int = 0, config: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
     """Residual add then RMSNorm, one launch. Returns ``(y, h)``, with ``rotate=G`` ``(y, h, y_rot)``.
 
     x ``[..., H]`` (last dim contiguous; bf16/fp16/fp32); residual the same shape and dtype, or
@@ -296,7 +299,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     ``h = x + residual`` rounded to x's dtype (``h`` is x itself, no copy, when residual is None);
     ``y = h * rsqrt(mean(h**2, -1) + eps) * weight`` in float32, rounded to x's dtype;
     ``y_rot``: y ConvRot-rotated in groups of G (G divides H). y, h and y_rot are ``[..., H]``
-    contiguous in x's dtype (h as passed when residual is None).
+    contiguous in x's dtype (h as passed when residual is None). ``config`` = (columns per program,
+    warps) overrides the choice (benchmarks, tests).
     """
     op = "add_rms_norm"
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -320,7 +324,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _require_triton(op, x)
     _check_last_contiguous(op, "x", x)
     block = triton.next_power_of_2(max(hid, 1))
-    slice_ = min(block, _NORM_SLICE)
+    slice_, warps = (min(block, _NORM_SLICE), _num_warps(block)) if config is None else config
+    if slice_ < 1 or block % slice_ or slice_ & (slice_ - 1):
+        raise ValueError(f"{op}: config columns {slice_} must be a power of two dividing {block}")
     fused, hmat = _rotation(op, rotate, hid, slice_, x)
     x2 = _rows(op, "x", x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -341,7 +347,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x2, r2, weight, y, h_out, hmat, y_rot,
         x2.stride(0), r2.stride(0), sr_p, weight.stride(0), hid, float(eps),
         HAS_RES=residual is not None, PARTS=parts, ROT=fused, IEEE=x.dtype == torch.float32, BLOCK=block,
-        SLICE=slice_, num_warps=_num_warps(block), **launch_args(x.device),
+        SLICE=slice_, num_warps=warps, **launch_args(x.device),
     )
     if not rotate:
         return y, h

@@ -114,7 +114,14 @@ def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
     5 stages for a DeltaNet layer's four inputs (12352 columns: 18 us against 23); else 32
     columns, 256-wide tiles, 4 stages. bf16: 128 columns, 128-wide tiles, 8 warps for the output
     projection (444 us against 459) and the DeltaNet inputs (27 us against 31); 64 columns for
-    gate+up; 32 columns, 128-wide tiles, 5 stages for q/k/v; else 32 columns, 256-wide tiles."""
+    gate+up; 32 columns, 128-wide tiles, 5 stages for q/k/v; else 32 columns, 256-wide tiles.
+
+    Isolated launches are not the last word: ``int8_gemv.py --sweep`` finds 3-stage configs faster
+    one launch at a time (the MLP down projection with split-K 15.6 us against 16.6, the
+    4096x4096 outputs 6.9 against 7.7, the DeltaNet inputs 16.8 against 17.5), and without
+    programmatic dependent launch the whole int8 decode step gains from them (300 -> 309 tok/s),
+    but with it, as an H200 runs, the step loses (312 -> 292 tok/s for the split-K ones, 308 for
+    the others), so they are not picked."""
     if quant:
         if n >= 16384:
             return 64, 256, 4, 4

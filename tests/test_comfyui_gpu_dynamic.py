@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import pytest
 
@@ -31,6 +32,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
 def comfy():
     pytest.importorskip("comfy_aimdo", reason="DynamicVRAM needs comfy-aimdo")
     from benchmarks.comfy_e2e import setup_comfyui
+
+    if "comfy.model_management" in sys.modules:  # comfy-aimdo would find its library unbound
+        pytest.fail("ComfyUI was imported without DynamicVRAM earlier in this process; run "
+                    "tests/test_comfyui_gpu_dynamic.py in a pytest process of its own")
 
     try:
         return setup_comfyui(COMFY, dynamic=True)

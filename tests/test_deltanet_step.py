@@ -72,6 +72,12 @@ def run(inputs, eps, hk, **kw):
                             key_heads=hk, **kw)
 
 
+def kitchen_rotate(t, group):
+    """comfy-kitchen's ConvRot activation rotation in float64."""
+    utils = pytest.importorskip("comfy_kitchen.tensor.int8_utils")
+    return utils._rotate_activation(t.double().cpu(), utils._build_hadamard(group, dtype=torch.float64), group)
+
+
 def rel(x, ref):
     return ((x.double().cpu() - ref).norm() / ref.norm()).item()
 
@@ -101,6 +107,34 @@ def test_step_matches_float64(rng, dtype, shape, config):
     assert rel(out, ref_out) < (tol if dtype == torch.float32 else 2e-2)
     for t in range(s):  # every row's state, not only the last
         assert rel(states[t], ref_states[t]) < tol, t
+
+
+@pytest.mark.parametrize("group", [256, 16, 4], ids=["g256", "g16", "g4-launch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_rotated_output(rng, dtype, rows, group):
+    """``rotate=G``: the gated norm's output ConvRot-rotated (the gated-norm kernel for G 16/256 over
+    2 heads of 128 columns, a rotation launch for G 4), against comfy-kitchen's float64 rotation of
+    the kernel's own rounded output and of the float64 oracle's."""
+    bsz, hk, hv, dk, dv, kernel = 1, 2, 4, 32, 128, 4
+    inputs = make(rng, bsz, rows, hk, hv, dk, dv, kernel, dtype)
+    out, states, window, out_rot = run(inputs, 1e-6, hk, rotate=group)
+    ref_out, ref_states, ref_window = oracle(*inputs, 1e-6, hk)
+    tol = 2e-5 if dtype == torch.float32 else 5e-3
+    assert out_rot.shape == out.shape and out_rot.dtype == dtype
+    assert rel(out, ref_out) < (tol if dtype == torch.float32 else 2e-2)
+    assert rel(states, ref_states) < tol and torch.equal(window.double(), ref_window)
+    one_rounding = 1e-6 if dtype == torch.float32 else 1e-3
+    assert rel(out_rot, kitchen_rotate(out, group)) < one_rounding
+    assert rel(out_rot, kitchen_rotate(ref_out, group)) < (tol if dtype == torch.float32 else 2e-2)
+
+
+def test_rotate_must_divide_the_width(rng):
+    inputs = make(rng, 1, 1, 2, 4, 16, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="ConvRot group size"):
+        run(inputs, 1e-6, 2, rotate=256)  # the output is 64 wide
+    with pytest.raises(ValueError, match="ConvRot group size"):
+        run(inputs, 1e-6, 2, rotate=8)
 
 
 def test_strided_inputs_and_given_outputs(rng):
@@ -167,3 +201,15 @@ def test_gpu_graph_replay_matches_eager():
     eager = run(inputs, 1e-6, 16)
     for g, e in zip(outs, eager):
         assert torch.equal(g, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [1, 4])
+def test_gpu_bf16_9b_shape_rotated(s):
+    """The 9B shape in bf16 with the output rotated for an int8_convrot out_proj (groups of 256)."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    inputs = make(gen, 1, s, 16, 32, 128, 128, 4, torch.bfloat16)
+    out, states, window, out_rot = run(inputs, 1e-6, 16, rotate=256)
+    ref_out, ref_states, _ = oracle(*(t.cpu() for t in inputs), 1e-6, 16)
+    assert rel(out, ref_out) < 2e-2 and rel(states, ref_states) < 1e-2
+    assert rel(out_rot, kitchen_rotate(out, 256)) < 5e-3

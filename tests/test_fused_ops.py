@@ -336,6 +336,21 @@ def test_add_rms_norm_sums_partials(rng, dtype, count):
         fo.add_rms_norm(x, parts.to(dtype) if dtype != torch.float32 else parts[:, :, :1], w, EPS)
 
 
+@pytest.mark.parametrize("config", [(2048, 8), (256, 4)], ids=["one-program", "256-columns"])
+def test_add_rms_norm_configs(rng, config):
+    """Every launch config computes the same norm: one program per row (the row kept in registers)
+    or many slices, with partials summed and the output rotated."""
+    x, w = randn(rng, 1, 3, 1536), eff_weight(rng, 1536)
+    parts = randn(rng, 4, 1, 3, 1536)
+    y, h, y_rot = fo.add_rms_norm(x, parts, w, EPS, rotate=256, config=config)
+    y_ref, h_ref = oracle_add_rms_norm(x, rnd(parts.double().sum(0), x.dtype).to(x.dtype), w, EPS)
+    assert_matches(h, h_ref, TOL[torch.float32], "h")
+    assert_matches(y, y_ref, TOL[torch.float32], "y")
+    assert_matches(y_rot, kitchen_rotate(y, 256), 2 * TOL[torch.float32], "y_rot")
+    with pytest.raises(ValueError, match="power of two dividing"):
+        fo.add_rms_norm(x, parts, w, EPS, config=(768, 4))
+
+
 # ---------------------------------------------------------------- rounding points
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=gpu)])
 def test_rounding_points_match_torch(rng, dtype):
