@@ -232,7 +232,7 @@ def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: R
         if inflight is not None:
             t = inflight.value()
             stats.steps += 1
-            sampler.accept([t])
+            sampler.accept([t], noted=True)
             report([t])
             if t in sampler.stops:
                 return "stop_token"

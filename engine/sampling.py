@@ -388,10 +388,10 @@ class Sampler:
         # draw (the vocabulary comes with the logits) and updated there: no draw waits for the host.
         self._seen_mask: torch.Tensor | None = None
 
-    def accept(self, tokens: Sequence[int]) -> None:
-        """Append generated tokens."""
+    def accept(self, tokens: Sequence[int], *, noted: bool = False) -> None:
+        """Append generated tokens (``noted``: already in the seen set through ``note``)."""
         self.generated.extend(tokens)
-        if tokens and self._seen_mask is not None:
+        if tokens and self._seen_mask is not None and not noted:
             self._seen_mask.index_fill_(1, to_device(list(tokens), self.device), True)
 
     def seen_rows(self, drafts: torch.Tensor | None, rows: int, vocab: int) -> list | torch.Tensor:
@@ -429,7 +429,7 @@ class Sampler:
 
     def note(self, token: torch.Tensor) -> None:
         """Add the token ``draw_async`` just returned (int64 ``[1]`` on the device) to the penalties'
-        seen set, before the next ``draw_async``."""
+        seen set, before the next ``draw_async`` (then ``accept(..., noted=True)`` its value)."""
         if self.penalised:  # index_fill_: a scalar fill (item assignment copies True to the device: a sync)
             self._seen_mask.index_fill_(1, token, True)
 
