@@ -388,10 +388,13 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 def rms_norm_rope_to_cache_torch(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float,
                                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                                  v_cache: torch.Tensor, length: torch.Tensor) -> None:
-    """Plain-torch ``rms_norm_rope_to_cache`` (same math; a host read of ``length``)."""
-    slots = torch.arange(k.shape[1], device=k.device) + int(length[0])
-    k_cache.index_copy_(2, slots, rms_norm_rope_torch(k, weight, eps, cos, sin))
-    v_cache.index_copy_(2, slots, v.transpose(1, 2))
+    """Plain-torch ``rms_norm_rope_to_cache`` (same math, each batch at its own ``length[b]``; a host
+    read of ``length``)."""
+    rows = torch.arange(k.shape[1], device=k.device)
+    normed = rms_norm_rope_torch(k, weight, eps, cos, sin)  # [B,Hn,S,D]
+    for b, start in enumerate(length.tolist()):
+        k_cache[b].index_copy_(1, rows + start, normed[b])
+        v_cache[b].index_copy_(1, rows + start, v[b].transpose(0, 1))
 
 
 def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float,

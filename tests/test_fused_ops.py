@@ -209,9 +209,12 @@ def test_rms_norm_rope_to_cache(rng, dtype):
         rest = [c for c in range(cap) if not start <= c < start + s]
         assert torch.isnan(kc[b, :, rest]).all() and torch.isnan(vc[b, :, rest]).all()
     kt, vt = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
-    fo.rms_norm_rope_to_cache_torch(k[:1], v[:1], w, EPS, cos, sin, kt[:1], vt[:1], length[:1])
-    assert_matches(kt[:1, :, 4:4 + s], want_k[:1], TORCH_TOL[dtype], "the torch twin")
-    assert torch.equal(vt[:1, :, 4:4 + s], vc[:1, :, 4:4 + s])
+    fo.rms_norm_rope_to_cache_torch(k, v, w, EPS, cos, sin, kt, vt, length)  # each batch at its own length
+    for b, start in enumerate(length.tolist()):
+        assert_matches(kt[b:b + 1, :, start:start + s], want_k[b:b + 1], TORCH_TOL[dtype], "the torch twin")
+    filled = ~kc.isnan()
+    assert torch.equal(kt.isnan(), kc.isnan()) and torch.equal(vt.isnan(), vc.isnan()), "the twin's slots"
+    assert torch.equal(vt[filled], vc[filled])
     with pytest.raises(ValueError, match="cache"):
         fo.rms_norm_rope_to_cache(k, v, w, EPS, cos, sin, kc.float() if dtype != torch.float32 else kc.half(), vc,
                                   length)
