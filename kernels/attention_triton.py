@@ -24,8 +24,7 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
-from .capabilities import pdl_reason
-from .pdl import trigger, wait
+from .pdl import launch_args, trigger, wait
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +199,8 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     log2e = 1.4426950408889634
     # Measured on an H200: launching the merge early saves ~0.6 us when its grid is small (16-row
     # blocks, S=1 for Qwen3.5), but its waiting programs slow the split pass for larger grids.
-    pdl = block_m == 16 and pdl_reason(q.device) is None
+    merge_launch = launch_args(q.device) if block_m == 16 else {"PDL": False}
+    pdl = merge_launch["PDL"]
     while True:
         block_n = cfg.pop("BLOCK_N")
         try:
@@ -227,5 +227,5 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     merge_meta = dict(S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
                       BLOCK_D=64, num_warps=4)
     grid = (b_sz * hq * s, d // 64)
-    _combine_kernel[grid](*merge_args, PDL=pdl, **({"launch_pdl": True} if pdl else {}), **merge_meta)
+    _combine_kernel[grid](*merge_args, **merge_launch, **merge_meta)
     return out
