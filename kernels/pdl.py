@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and newer).
 
-A decode step is a chain of ~370 short kernels in which every kernel reads what the one before
+A decode step is a chain of ~340 short kernels in which every kernel reads what the one before
 wrote. Launched plainly, each waits until its predecessor has finished before it is even scheduled,
 so the GPU pays a ramp-up and a drain per kernel. With PDL (``launch_pdl=True``) a kernel may be
 scheduled once every program of its predecessor has called ``griddepcontrol.launch_dependents``;
@@ -16,8 +16,8 @@ The protocol every kernel compiled with ``PDL=True`` follows:
 * the GEMV: wait, then let the next kernel launch (so a product's programs never queue ahead of
   the one streaming); its weights stream evict-first.
 
-Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-plain): int8 +1.6%,
-bf16 +0.7% with the decode loop running ahead of the host, int8 +4% before it did. A GEMV that
+Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-plain): int8 +3.1%,
+bf16 +0.8% in the latest full run; int8 +4% before the decode loop ran ahead of the host. A GEMV that
 also asked L2 for its first weight lines before its wait gained nothing (1 KB per row) or lost 10%
 (whole rows), and was removed.
 
