@@ -7,6 +7,8 @@ import pytest
 import torch
 from qwen35_fast.kernels.deltanet_step import gated_delta_step
 
+from tests.oracles.kitchen import kitchen_rotate
+
 
 def oracle(qkv, z, a, b, conv_state, conv_w, a_log, dt_bias, state, norm_w, eps, hk):
     """Row by row in float64: conv+SiLU, L2 norms, gates, delta rule, gated RMSNorm (no pack code)."""
@@ -70,12 +72,6 @@ def run(inputs, eps, hk, **kw):
     qkv, z, a, b, conv_state, conv_w, a_log, dt_bias, state, norm_w = inputs
     return gated_delta_step(qkv, z, a, b, conv_state, conv_w, -a_log.exp(), dt_bias, state, norm_w, eps,
                             key_heads=hk, **kw)
-
-
-def kitchen_rotate(t, group):
-    """comfy-kitchen's ConvRot activation rotation in float64."""
-    utils = pytest.importorskip("comfy_kitchen.tensor.int8_utils")
-    return utils._rotate_activation(t.double().cpu(), utils._build_hadamard(group, dtype=torch.float64), group)
 
 
 def rel(x, ref):

@@ -13,6 +13,8 @@ import pytest
 import torch
 from qwen35_fast.kernels import fused_ops as fo
 
+from tests.oracles.kitchen import kitchen_rotate
+
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu  # skipped where conftest.gpu_reason() says the GPU kernels cannot run
@@ -290,12 +292,6 @@ def test_sigmoid_gate_from_qg_view(rng):
 
 
 # ---------------------------------------------------------------- ConvRot-rotated outputs, split-K partials
-def kitchen_rotate(t, group):
-    """comfy-kitchen's ConvRot activation rotation in float64 (the oracle for ``rotate=G``)."""
-    utils = pytest.importorskip("comfy_kitchen.tensor.int8_utils")
-    return utils._rotate_activation(t.double().cpu(), utils._build_hadamard(group, dtype=torch.float64), group)
-
-
 ROT_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu)]
 
 
