@@ -35,8 +35,10 @@ then rows in interleaved order per max_length. Floor = bytes one decode step rea
 but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allocated per row.
 ``--memory``: at the first max_length, what the core and pack rows themselves allocate at their
 peak, by call site (``benchmarks/memory_peak.py``). ``--profile``: the kernels of an eager 1-row
-step and the host's Python functions per token of a generation (cProfile), per format.
-``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain.
+step and the host's Python functions per token of a generation (cProfile, after a warm-up
+generation; also of a forced3 one when ``--kinds`` names it), per format.
+``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 when
+``--kinds`` names it: per token is per verify step / 4).
 
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
@@ -271,19 +273,37 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         for k in prof["top"]:
             print(f"      {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['kernel']}", flush=True)
         n = min(120, args.tokens)
-        host = host_profile(lambda: clock.run(lambda: patched.generate(tokens, max_length=4096, **greedy), n), n)
-        rows.append({"format": fmt, "kind": "host_profile", **host})
-        print(f"{fmt:>5} host, per token of a generation (cProfile, graphs on):", flush=True)
-        for f in host["top"][:22]:
-            print(f"      {f['cum_us']:8.1f} us cum {f['self_us']:8.1f} us self  x{f['calls']:5.1f}  {f['function']}",
-                  flush=True)
+        runs = {"host_profile": lambda: patched.generate(tokens, max_length=4096, **greedy)}
+        if "forced3" in args.kinds:
+            drafts = forced_drafts(target, embeds, n + 8, greedy)
+            runs["host_profile forced3"] = lambda: bridge.run_engine(
+                target, embeds, max_length=4096, mtp=3, mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0,
+                **greedy)
+        for kind, run in runs.items():
+            clock.run(run, n)  # a warm-up: kernels compiled for this path's row counts
+            host = host_profile(lambda: clock.run(run, n), n)
+            rows.append({"format": fmt, "kind": kind, **host})
+            print(f"{fmt:>5} {kind}, per token of a generation (cProfile, graphs on):", flush=True)
+            for f in host["top"][:30] + [None] + host["top_self"][:30]:
+                if f is None:
+                    print("      by self time:", flush=True)
+                    continue
+                print(f"      {f['cum_us']:8.1f} us cum {f['self_us']:8.1f} us self  x{f['calls']:5.1f}  "
+                      f"{f['function']}", flush=True)
 
     if args.timeline:
         from benchmarks.timeline import print_timeline, token_timeline
 
-        for kind in ("pack", "pack-plain"):
-            with launches(kind):
-                tl = token_timeline(lambda n: clock.run(lambda: patched.generate(tokens, max_length=4096, **greedy), n))
+        for kind in ("pack", "pack-plain") + (("forced3",) if "forced3" in args.kinds else ()):
+            if kind == "forced3":  # per token = per verify step / 4 (every draft accepted)
+                drafts = forced_drafts(target, embeds, args.tokens + 8, greedy)
+                tl = token_timeline(lambda n: clock.run(lambda: bridge.run_engine(
+                    target, embeds, max_length=4096, mtp=3,
+                    mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), n))
+            else:
+                with launches(kind):
+                    tl = token_timeline(lambda n: clock.run(lambda: patched.generate(tokens, max_length=4096,
+                                                                                     **greedy), n))
             rows.append({"format": fmt, "kind": f"timeline {kind}", **tl})
             print_timeline(f"{fmt:>5} {kind} timeline", tl)
 
@@ -311,7 +331,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                 row(kind, max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
             else:
                 # The MTP-off token sequence (the drafts to force), then depth 3 with those drafts.
-                drafts = list(bridge.run_engine(target, embeds, max_length=args.tokens + 8, mtp="off", **greedy))
+                drafts = forced_drafts(target, embeds, args.tokens + 8, greedy)
                 reset_peak()
                 tok_s = clock.run(lambda m=max_length: bridge.run_engine(
                     target, embeds, max_length=m, mtp=3,
@@ -341,6 +361,13 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     return rows
 
 
+def forced_drafts(target, embeds, n: int, greedy: dict) -> list[int]:
+    """The MTP-off greedy tokens (n of them): the drafts a forced-acceptance MTP run is given."""
+    from qwen35_fast.patches import comfy_bridge as bridge
+
+    return list(bridge.run_engine(target, embeds, max_length=n, mtp="off", **greedy))
+
+
 @contextlib.contextmanager
 def launches(kind: str):
     """The launch settings of a pack row: ``pack-plain`` without programmatic dependent launch
@@ -361,7 +388,8 @@ def launches(kind: str):
 
 def host_profile(fn, tokens: int, top: int = 40) -> dict:
     """Python functions of ``fn()`` (a generation of ``tokens`` tokens) by cumulative time per
-    token (cProfile: its own overhead inflates every call, so read shares, not absolute times)."""
+    token (``top``) and by their own time (``top_self``; cProfile: its own overhead inflates every
+    call, so read shares, not absolute times)."""
     import cProfile
     import pstats
 
@@ -373,8 +401,9 @@ def host_profile(fn, tokens: int, top: int = 40) -> dict:
     rows = [{"function": f"{Path(file).parent.name}/{Path(file).name}:{line} {name}", "calls": nc / tokens,
              "self_us": tt / tokens * 1e6, "cum_us": ct / tokens * 1e6}
             for (file, line, name), (_cc, nc, tt, ct, _callers) in stats.items()]
+    by_self = sorted(rows, key=lambda r: -r["self_us"])
     rows.sort(key=lambda r: -r["cum_us"])
-    return {"tokens": tokens, "top": rows[:top]}
+    return {"tokens": tokens, "top": rows[:top], "top_self": by_self[:top]}
 
 
 def embeds_like(model, n: int):
@@ -390,7 +419,7 @@ def markdown(run: dict) -> str:
              "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB |",
              "|---|---|---|---|---|---|---|"]
     for r in run["rows"]:
-        if r["kind"] in ("profile", "host_profile") or r["kind"].startswith("timeline"):  # lists, not timed rows
+        if r["kind"] == "profile" or r["kind"].startswith(("timeline", "host_profile")):  # lists, not timed rows
             continue
         # The floor is one step's weight read; forced MTP rows make 4 tokens a step (plus 3 head steps).
         pct = "per step" if "forced" in r["kind"] else f"{r['floor_pct']:.0f}%"

@@ -8,7 +8,8 @@ cancel out. Per token:
 - ``busy_us``: the union of kernel intervals (kernels that overlap under programmatic dependent
   launch count once); idle time between kernels, split at ``host_gap_us`` into gaps inside a step
   (launch and drain) and gaps between steps (the host: sampling, the next replay); gaps over
-  ``one_off_us`` (a graph capture, the prefill's host work) are left out of both;
+  ``one_off_us`` (a graph capture, the prefill's host work) are left out of both; ``long_gaps``:
+  the gaps between steps by the kernels before and after them (where the host holds the GPU up);
 - per kernel name: launches and total / mean duration (a kernel launched early under PDL counts
   its waiting time too, so compare durations with plain launches).
 
@@ -44,7 +45,8 @@ def _kernels(fn) -> list[tuple[float, float, str]]:
 def _stats(kernels, host_gap_us: float, one_off_us: float) -> dict:
     busy = short = long = 0.0
     names: dict[str, list[float]] = {}
-    end = None
+    where: dict[tuple[str, str], list[float]] = {}  # (kernel before, kernel after) of the long gaps
+    end = last = None
     for s, e, name in kernels:
         k = names.setdefault(name, [0, 0.0])
         k[0] += 1
@@ -56,12 +58,15 @@ def _stats(kernels, host_gap_us: float, one_off_us: float) -> dict:
                     short += gap
                 elif gap <= one_off_us:
                     long += gap
+                    w = where.setdefault((last[:60], name[:60]), [0, 0.0])
+                    w[0] += 1
+                    w[1] += gap
             busy += e - s
-            end = e
+            end, last = e, name
         elif e > end:
             busy += e - end
-            end = e
-    return {"busy": busy, "short": short, "long": long, "names": names}
+            end, last = e, name
+    return {"busy": busy, "short": short, "long": long, "names": names, "where": where}
 
 
 def token_timeline(generate_n, short: int = 40, long: int = 140, host_gap_us: float = 20.0,
@@ -76,12 +81,19 @@ def token_timeline(generate_n, short: int = 40, long: int = 140, host_gap_us: fl
         if count - c0 > 0:
             per[name] = ((count - c0) / n, (total - t0) / n)
     ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
+    gaps = []
+    for pair, (count, total) in b["where"].items():
+        c0, t0 = a["where"].get(pair, (0, 0.0))
+        if count - c0 > 0 and total - t0 > 0:
+            gaps.append({"before": pair[0], "after": pair[1], "per_token": (count - c0) / n,
+                         "us_per_token": (total - t0) / n})
+    gaps.sort(key=lambda g: -g["us_per_token"])
     return {"tokens": n, "busy_us": (b["busy"] - a["busy"]) / n,
             "gap_in_step_us": (b["short"] - a["short"]) / n, "gap_between_steps_us": (b["long"] - a["long"]) / n,
             "launches": sum(c for c, _t in per.values()), "kernel_us": sum(t for _c, t in per.values()),
             "host_gap_us": host_gap_us,
             "top": [{"kernel": k[:90], "per_token": c, "us_per_token": t, "mean_us": t / c if c else 0.0}
-                    for k, (c, t) in ranked[:top]]}
+                    for k, (c, t) in ranked[:top]], "long_gaps": gaps[:12]}
 
 
 def print_timeline(label: str, t: dict) -> None:
@@ -92,3 +104,6 @@ def print_timeline(label: str, t: dict) -> None:
     for k in t["top"]:
         print(f"      {k['us_per_token']:8.1f} us  x{k['per_token']:5.1f}  mean {k['mean_us']:6.2f}  {k['kernel']}",
               flush=True)
+    print("    gaps between steps, by the kernels either side:", flush=True)
+    for g in t.get("long_gaps", []):
+        print(f"      {g['us_per_token']:8.1f} us  x{g['per_token']:5.2f}  {g['before']}  ->  {g['after']}", flush=True)

@@ -112,6 +112,18 @@ class Runner:
         o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=self.attention)
         return self.fused.gate_out(attn.o_proj, o, gate)
 
+    def forward_logits(self, x: torch.Tensor, pos: torch.Tensor):
+        """``forward`` (decode or verify rows), then the output logits of every row: ``(hidden,
+        prenorm, logits)``, logits float32 ``[B,S,V]`` (``binding.logits``)."""
+        hidden, pre = self.forward(x, pos)
+        return hidden, pre, self.binding.logits(hidden)
+
+    def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
+        """``mtp_forward``, then the output logits of its last row (the draft's): ``(normed
+        [B,S,H], logits float32 [B,1,V])``."""
+        out = self.mtp_forward(hidden, emb, pos)
+        return out, self.binding.logits(out[:, -1:])
+
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Stage S rows of the MTP head in ``cache.mtp``: hidden, emb ``[B,S,H]`` -> normed ``[B,S,H]``.
 

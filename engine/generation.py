@@ -156,18 +156,18 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         k = min(depth, max_length - len(sampler.generated) - 1)
         if k == 0:
             rows = binding.embed(token_ids([pending], device), dtype, device)
-            hidden, _ = runner.forward(rows, positions.rows(length, 1))
+            hidden, _, logits = runner.forward_logits(rows, positions.rows(length, 1))
             cache.commit()
             stats.steps += 1
-            logits = sampler.mask(binding.logits(hidden)[0], len(sampler.generated))
+            logits = sampler.mask(logits[0], len(sampler.generated))
             new = [sampler.draw(logits)]
         else:
             drafts, qs = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)
             stats.drafted += k
             rows = binding.embed(torch.cat([to_device([pending], device), drafts]).view(1, -1), dtype, device)
-            hidden, pre = runner.forward(rows, positions.rows(length, k + 1))
+            hidden, pre, logits = runner.forward_logits(rows, positions.rows(length, k + 1))
             stats.steps += 1
-            logits = sampler.mask(binding.logits(hidden)[0], len(sampler.generated))
+            logits = sampler.mask(logits[0], len(sampler.generated))
             new, accepted = accept(sampler, logits, drafts, qs)
             stats.accepted += accepted
             cache.commit(1 + accepted)
@@ -222,9 +222,9 @@ def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: R
         step = None
         if launched < max_length:
             rows = binding.embed(pending, dtype, device)
-            hidden, _ = runner.forward(rows, positions.rows(cache.length, 1))
+            _, _, logits = runner.forward_logits(rows, positions.rows(cache.length, 1))
             cache.commit()
-            token = sampler.draw_async(sampler.mask(binding.logits(hidden)[0], launched))
+            token = sampler.draw_async(sampler.mask(logits[0], launched))
             sampler.note(token)
             step = _Readback(token, pinned[launched % 2])
             pending = token.view(1, 1)

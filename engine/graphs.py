@@ -1,7 +1,9 @@
 """CUDA graphs for the decode step, the MTP draft step and the 1+depth verify step.
 
 ``GraphRunner`` wraps a ``forward.Runner`` and replays one captured graph per (kind, rows): the
-cache length lives on the device, so one graph serves every position; the host bookkeeping the
+cache length lives on the device, so one graph serves every position; the ``*_logits`` steps
+capture the output projection too (an eager 248k-row product per draft held the GPU up while the
+host launched it); the host bookkeeping the
 eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
 replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
 the graph lives (a GraphRunner lives for one generation): when a projection still runs through a
@@ -86,7 +88,8 @@ class _Graph:
 
 
 class GraphRunner:
-    """Drop-in for ``Runner`` whose ``forward`` (S <= 8 rows) and ``mtp_forward`` replay CUDA graphs."""
+    """Drop-in for ``Runner`` whose ``forward``, ``forward_logits``, ``mtp_forward`` and
+    ``mtp_logits`` (S <= 8 rows) replay CUDA graphs."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -110,34 +113,51 @@ class GraphRunner:
             return self.runner.mtp_forward(hidden, emb, pos)
         return self._run("mtp", hidden, pos, emb)[0]
 
+    def forward_logits(self, x: torch.Tensor, pos: torch.Tensor):
+        """Same contract as ``Runner.forward_logits``; the output projection is in the graph."""
+        if x.shape[1] > MAX_DECODE_ROWS:
+            return self.runner.forward_logits(x, pos)
+        return self._run("main+logits", x, pos)
+
+    def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
+        """Same contract as ``Runner.mtp_logits``; the output projection is in the graph."""
+        if hidden.shape[1] > MAX_DECODE_ROWS:
+            return self.runner.mtp_logits(hidden, emb, pos)
+        return self._run("mtp+logits", hidden, pos, emb)
+
     # ------------------------------------------------------------------ internals
     def _eager(self, kind: str, inputs):
         if kind == "mtp":
             return (self.runner.mtp_forward(inputs[0], inputs[2], inputs[1]),)
+        if kind == "mtp+logits":
+            return self.runner.mtp_logits(inputs[0], inputs[2], inputs[1])
+        if kind == "main+logits":
+            return self.runner.forward_logits(inputs[0], inputs[1])
         return self.runner.forward(inputs[0], inputs[1])
 
     def _capture(self, kind: str, inputs) -> _Graph:
+        part = kind.split("+")[0]  # the cache part the step stages rows in
         static = [t.clone() for t in inputs]
         stream = _capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._eager(kind, static)  # compiles kernels, allocates lazily built constants
-            self.cache.drop_staged(kind, lengths_moved=True)
+            self.cache.drop_staged(part, lengths_moved=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 outputs = self._eager(kind, static)
         except Exception:
-            self.cache.drop_staged(kind, lengths_moved=False)
+            self.cache.drop_staged(part, lengths_moved=False)
             raise
-        staged = self.cache.save_staged(kind)
-        self.cache.drop_staged(kind, lengths_moved=False)
+        staged = self.cache.save_staged(part)
+        self.cache.drop_staged(part, lengths_moved=False)
         return _Graph(graph, static, outputs, staged)
 
     def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, emb: torch.Tensor | None = None):
         rows = x.shape[1]
-        self.cache.check_room(kind, rows)
+        self.cache.check_room(kind.split("+")[0], rows)
         inputs = (x, pos) if emb is None else (x, pos, emb)
         key = (kind, rows)
         g = self._graphs.get(key)

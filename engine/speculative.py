@@ -50,7 +50,7 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     device, dtype = runner.device, runner.dtype
     mcache = runner.cache.mtp
     rows = catchup_hidden.shape[1]
-    out = runner.mtp_forward(catchup_hidden, catchup_emb, positions.rows(mtp_start, rows))
+    out, logits = runner.mtp_logits(catchup_hidden, catchup_emb, positions.rows(mtp_start, rows))
     mcache.commit()
     last = out[:, -1:]
     drafts: list[torch.Tensor] = []  # int64 [1] each, on the device
@@ -58,9 +58,9 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     for j in range(k):
         if j:
             emb = binding.embed(drafts[-1].view(1, 1), dtype, device)
-            last = runner.mtp_forward(last, emb, positions.rows(length - 1 + j, 1))
+            last, logits = runner.mtp_logits(last, emb, positions.rows(length - 1 + j, 1))
             mcache.commit()
-        logits = sampler.mask(binding.logits(last)[0], len(sampler.generated) + j)
+        logits = sampler.mask(logits[0], len(sampler.generated) + j)
         qs.append(None)
         if callable(sampler.mtp_draft):  # benchmark hook: the head ran, its draft is replaced
             drafts.append(to_device([int(sampler.mtp_draft(len(sampler.generated) + j))], device))

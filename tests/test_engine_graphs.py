@@ -67,6 +67,41 @@ def test_graph_steps_equal_eager(tmp_path, dtype, test_seed):
 
 
 @gpu
+def test_graph_steps_capture_the_output_projection(tmp_path, test_seed, monkeypatch):
+    """Decode, draft and verify logits come out of the graphs: outside a capture the output
+    projection runs only for the prefill's last row and, with MTP, the first draft over the prompt
+    rows (too many for a graph), never once per step."""
+    from qwen35_fast.engine import graphs
+    from qwen35_fast.engine.binding import Qwen35Binding
+
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda")
+    prompt = torch.randn(1, 23, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    capturing, eager_rows = [], []
+    real_capture, real_logits = graphs.GraphRunner._capture, Qwen35Binding.logits
+
+    def capture(self, kind, inputs):
+        capturing.append(kind)
+        try:
+            return real_capture(self, kind, inputs)
+        finally:
+            capturing.pop()
+
+    def logits(self, h):
+        if not capturing:
+            eager_rows.append(h.shape[1])
+        return real_logits(self, h)
+
+    monkeypatch.setattr(graphs.GraphRunner, "_capture", capture)
+    monkeypatch.setattr(Qwen35Binding, "logits", logits)
+    for mtp, expected in (("off", [1]), (3, [1, 1])):
+        eager_rows.clear()
+        out = generate(model, prompt, do_sample=False, max_length=40, stop_tokens=[], mtp=mtp, cuda_graphs=True)
+        assert len(out.tokens) == 40 and out.stats.steps > 10
+        assert eager_rows == expected, mtp
+
+
+@gpu
 def test_graph_interrupt_then_reuse(tmp_path, test_seed):
     model, d = _model(tmp_path, test_seed % 1000, "cuda")
     prompt = torch.randn(1, 9, d["hidden_size"], device="cuda")
