@@ -37,8 +37,8 @@ but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allo
 peak, by call site (``benchmarks/memory_peak.py``). ``--profile``: the kernels of an eager 1-row
 step and the host's Python functions per token of a generation (cProfile, after a warm-up
 generation; also of a forced3 one when ``--kinds`` names it), per format.
-``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 when
-``--kinds`` names it: per token is per verify step / 4).
+``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
+forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
@@ -294,12 +294,16 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     if args.timeline:
         from benchmarks.timeline import print_timeline, token_timeline
 
-        for kind in ("pack", "pack-plain") + (("forced3",) if "forced3" in args.kinds else ()):
-            if kind == "forced3":  # per token = per verify step / 4 (every draft accepted)
+        forced = ("forced3", "forced3-plain") if "forced3" in args.kinds else ()
+        for kind in ("pack", "pack-plain") + forced:
+            if kind in forced:  # per token = per verify step / 4 (every draft accepted)
                 drafts = forced_drafts(target, embeds, args.tokens + 8, greedy)
-                tl = token_timeline(lambda n: clock.run(lambda: bridge.run_engine(
-                    target, embeds, max_length=4096, mtp=3,
-                    mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), n))
+                # A longer window than MTP off: the prompt rows' gaps do not cancel out exactly.
+                with launches("pack-plain" if kind.endswith("plain") else "pack"):
+                    tl = token_timeline(lambda n: clock.run(lambda: bridge.run_engine(
+                        target, embeds, max_length=4096, mtp=3,
+                        mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), n),
+                        long=max(140, args.tokens - 20))
             else:
                 with launches(kind):
                     tl = token_timeline(lambda n: clock.run(lambda: patched.generate(tokens, max_length=4096,

@@ -150,36 +150,51 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
     if not depth:
         stop = _decode_ahead(binding, runner, sampler, positions, max_length, stats, report)
         return GenerationResult(list(sampler.generated), stats, stop)
+    # The next step's drafts are launched as soon as its inputs are known, before the host's
+    # bookkeeping for the step that just ended (the main cache's commit, the callback): the GPU
+    # drafts while the host does it. ``pending_id``: the pending token on the device when known there.
+    drafted, pending_id = None, None
     while len(sampler.generated) < max_length:
         length = cache.length
         pending = sampler.generated[-1]
+        if pending_id is None:
+            pending_id = to_device([pending], device)
         k = min(depth, max_length - len(sampler.generated) - 1)
         if k == 0:
-            rows = binding.embed(token_ids([pending], device), dtype, device)
+            rows = binding.embed(pending_id.view(1, 1), dtype, device)
             hidden, _, logits = runner.forward_logits(rows, positions.rows(length, 1))
             cache.commit()
             stats.steps += 1
             logits = sampler.mask(logits[0], len(sampler.generated))
-            new = [sampler.draw(logits)]
+            new, accepted, pending_id = [sampler.draw(logits)], 0, None
         else:
-            drafts, qs = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)
+            if drafted is None:
+                drafted = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)
+            (drafts, qs), drafted = drafted, None
             stats.drafted += k
-            rows = binding.embed(torch.cat([to_device([pending], device), drafts]).view(1, -1), dtype, device)
+            rows = binding.embed(torch.cat([pending_id, drafts]).view(1, -1), dtype, device)
             hidden, pre, logits = runner.forward_logits(rows, positions.rows(length, k + 1))
             stats.steps += 1
             logits = sampler.mask(logits[0], len(sampler.generated))
-            new, accepted = accept(sampler, logits, drafts, qs)
+            new, accepted, pending_id = accept(sampler, logits, drafts, qs)
             stats.accepted += accepted
-            cache.commit(1 + accepted)
+            if pending_id is None:
+                pending_id = to_device(new[-1:], device)
             kept = pre if use_prenorm else hidden
             catchup_hidden = kept[:, :accepted + 1]
-            catchup_emb = torch.cat([rows[:, 1:accepted + 1],
-                                     binding.embed(token_ids([new[-1]], device), dtype, device)], dim=1)
+            catchup_emb = torch.cat([rows[:, 1:accepted + 1], binding.embed(pending_id.view(1, 1), dtype, device)],
+                                    dim=1)
             mtp_start = length
         stop_at = next((i for i, t in enumerate(new) if t in sampler.stops), None)
         if stop_at is not None:
             new = new[:stop_at + 1]
         sampler.accept(new)
+        if k:
+            k_next = min(depth, max_length - len(sampler.generated) - 1)
+            if stop_at is None and k_next > 0:
+                drafted = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start,
+                                length + 1 + accepted, k_next)
+            cache.commit(1 + accepted)
         report(new)
         if stop_at is not None:
             return GenerationResult(list(sampler.generated), stats, "stop_token")

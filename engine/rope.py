@@ -72,24 +72,27 @@ def normalize_positions(position_ids: torch.Tensor | None, length: int, device) 
 
 
 class RowPositions:
-    """Positions of absolute rows: prompt rows use the given ids, later rows continue at max + 1."""
+    """Positions of absolute rows: prompt rows use the given ids, later rows continue at max + 1.
+
+    ``rows`` slices one table on the prompt's device (grown by doubling), so a decode step's
+    positions cost no kernel launch and no allocation."""
 
     def __init__(self, prompt: torch.Tensor):
         self.prompt = prompt  # [3, T] int64
         self.length = prompt.shape[1]
         self.offset = int(prompt.max()) + 1 - self.length if self.length else 0
+        self._table = prompt
 
     def rows(self, start: int, count: int) -> torch.Tensor:
-        """int64 ``[3, count]`` positions of rows ``start .. start + count - 1``."""
+        """int64 ``[3, count]`` positions of rows ``start .. start + count - 1`` (a view: not to be
+        written to)."""
         end = start + count
-        if end <= self.length:
-            return self.prompt[:, start:end]
-        tail_start = max(start, self.length)
-        tail = torch.arange(tail_start, end, device=self.prompt.device, dtype=torch.int64) + self.offset
-        tail = tail.expand(3, -1)
-        if start >= self.length:
-            return tail
-        return torch.cat([self.prompt[:, start:], tail], dim=1)
+        if end > self._table.shape[1]:
+            have = self._table.shape[1]
+            size = max(end, 2 * have, 64)
+            tail = torch.arange(have, size, device=self.prompt.device, dtype=torch.int64) + self.offset
+            self._table = torch.cat([self._table, tail.expand(3, -1)], dim=1)
+        return self._table[:, start:end]
 
 
 class Rope:

@@ -78,24 +78,27 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     return torch.cat(drafts), qs
 
 
-def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor, qs) -> tuple[list[int], int]:
+def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor,
+           qs) -> tuple[list[int], int, torch.Tensor | None]:
     """New tokens from the verify logits ``[k+1,V]`` and the drafts (int64 ``[k]`` on the device):
-    the accepted drafts, then the correction or bonus token, and the number of drafts accepted."""
+    the accepted drafts, then the correction or bonus token; the number of drafts accepted; and
+    the last new token as int64 ``[1]`` on the device where it is there already (greedy), else None."""
     k = drafts.shape[0]
     if sampler.greedy:
-        both = torch.cat([logits.argmax(dim=-1), drafts]).tolist()  # one read for the two
+        both_ids = torch.cat([logits.argmax(dim=-1), drafts])
+        both = both_ids.tolist()  # one read for the two
         target, proposed = both[:k + 1], both[k + 1:]
         accepted = 0
         while accepted < k and target[accepted] == proposed[accepted]:
             accepted += 1
-        return proposed[:accepted] + [target[accepted]], accepted
+        return proposed[:accepted] + [target[accepted]], accepted, both_ids[accepted:accepted + 1]
     probs = target_probs(logits, sampler.seen_rows(drafts, k + 1, logits.shape[1]), sampler.params)
     proposed = drafts.tolist()
     new: list[int] = []
     for i in range(k):
         ok, correction = speculative_accept(probs[i], proposed[i], sampler.generator, qs[i])
         if not ok:
-            return new + [correction], i
+            return new + [correction], i, None
         new.append(proposed[i])
     new.append(int(sample(probs[k:k + 1], sampler.generator, top_k=sampler.params.top_k)[0]))  # bonus
-    return new, k
+    return new, k, None

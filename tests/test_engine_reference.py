@@ -118,6 +118,22 @@ def test_positions_helper():
     assert plain.rows(2, 4).tolist() == [[2, 3, 4, 5]] * 3
 
 
+def test_positions_across_the_prompt_and_table_growth(rng):
+    """Rows anywhere (in the prompt, across its end, past several growths of the table) against
+    the definition: prompt ids, then max + 1, max + 2, ... on every axis."""
+    t = 7
+    pos = torch.randint(0, 20, (3, t), generator=rng).sort(dim=1).values
+    p = RowPositions(pos)
+    after = int(pos.max()) + 1
+    for _ in range(200):
+        start = int(torch.randint(0, 300, (1,), generator=rng))
+        count = int(torch.randint(1, 9, (1,), generator=rng))
+        want = [[int(pos[a, r]) if r < t else after + r - t for r in range(start, start + count)] for a in range(3)]
+        assert p.rows(start, count).tolist() == want, (start, count)
+    # Within the grown table, rows are views of one tensor: a decode step allocates nothing.
+    assert p.rows(3, 1).untyped_storage().data_ptr() == p.rows(250, 2).untyped_storage().data_ptr()
+
+
 def test_mtp_head_matches_reference(tmp_path, rng):
     sd, d = make_tiny(_seed(rng))
     sd = add_mtp(sd, d, _seed(rng), noise=0.5, norm_spread=0.3)
