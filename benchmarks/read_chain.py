@@ -7,7 +7,7 @@ activations, no dot), one launch per product with the product's shape and progra
 CUDA graph, so the difference to the floor is what the launches alone cost, and the difference
 to the GEMV's measured time is what the product itself adds.
 
-Variants (all in one process, interleaved, median over graph replays; each replay reads 9 GB, far
+Variants (all in one process, interleaved, median over graph replays; each replay reads 7.9 GB, far
 more than L2):
 
 - ``plain``: launches as the GEMV without programmatic dependent launch;
@@ -119,7 +119,7 @@ def main() -> None:
 
     graphs = {}
     for variant in args.variants:
-        slots = sms * 3  # 3 programs of this config fit an SM (64 KB of shared memory each)
+        slots = sms * 3  # the GEMV's occupancy at this config: 3 programs per SM (64 KB of shared memory each)
         for w, o in zip(weights, outs):  # compile outside the capture
             launch(w, o, variant, slots)
         torch.cuda.synchronize()
