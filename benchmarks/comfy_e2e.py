@@ -41,7 +41,7 @@ generation; also of a forced3 one when ``--kinds`` names it), per format.
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
-    python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8]
+    python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8 fp8]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
         [--kinds core pack pack-sampled pack-plain forced3 standalone] [--timeline]
@@ -97,14 +97,23 @@ def _quantized_layer(name: str, t: torch.Tensor) -> bool:
 @torch.no_grad()
 def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: bool = True, seed: int = 0) -> None:
     """A random checkpoint (decisive by default, see ``build_model``) in the HF key layout ComfyUI
-    loads, bf16 or int8_convrot."""
+    loads, bf16, int8_convrot or fp8 (float8_e4m3fn, one scale per tensor)."""
     from safetensors.torch import save_file
 
     model = build_model(cfg, device, torch.bfloat16, seed=seed, decisive=decisive).model
     sd = {}
     for name, t in model.state_dict().items():
         key = name if name.startswith("mtp.") or name == "lm_head.weight" else HF + name
-        if fmt == "int8" and _quantized_layer(name, t):
+        if fmt == "fp8" and _quantized_layer(name, t):  # ComfyUI's float8_e4m3fn format, per-tensor scale
+            import comfy_kitchen as ck
+
+            scale = (t.abs().amax() / torch.finfo(torch.float8_e4m3fn).max).float()
+            sd[key] = ck.quantize_per_tensor_fp8(t, scale, torch.float8_e4m3fn).cpu()
+            layer = key[:-len(".weight")]
+            sd[layer + ".weight_scale"] = scale.cpu()
+            conf = {"format": "float8_e4m3fn"}
+            sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        elif fmt == "int8" and _quantized_layer(name, t):
             from comfy_kitchen.tensor import TensorWiseINT8Layout
 
             q, params = TensorWiseINT8Layout.quantize(t, is_weight=True, per_channel=True, convrot=True,
@@ -138,7 +147,7 @@ def decode_bytes(path: Path) -> int:
             n = 1
             for d in sl.get_shape():
                 n *= d
-            total += n * {"BF16": 2, "F32": 4, "I8": 1, "U8": 1, "F16": 2}[sl.get_dtype()]
+            total += n * {"BF16": 2, "F32": 4, "I8": 1, "U8": 1, "F16": 2, "F8_E4M3": 1}[sl.get_dtype()]
     return total
 
 
@@ -435,7 +444,7 @@ def markdown(run: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--comfyui", help="a ComfyUI tree (imported in process)")
-    ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8", "fp8"])
     ap.add_argument("--kinds", nargs="+", default=["core", "pack", "forced3", "standalone"])
     ap.add_argument("--max-lengths", nargs="+", type=int, default=[4096, 24000, 65536])
     ap.add_argument("--core-max-lengths", nargs="+", type=int, default=[4096, 24000])

@@ -193,7 +193,7 @@ class FusedPlan:
                 unresolved[name], modules[name] = why, mod
                 continue
             linears[id(mod)] = plain
-            kind = "int8" + ("+ConvRot" if plain.convrot else "") if plain.quantized \
+            kind = "int8" + ("+ConvRot" if plain.convrot else "") if plain.weight.dtype == torch.int8 \
                 else str(plain.weight.dtype).replace("torch.", "")
             formats[kind] = formats.get(kind, 0) + 1
             if mod is binding.output_module:

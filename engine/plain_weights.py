@@ -9,7 +9,9 @@ the same storage the module holds (never a copy), in one of two formats:
 * int8: ``weight`` int8 ``[N, K]`` with a float32 ``scale`` per output row (``[N]``) or per tensor
   (``[]``), optionally ConvRot-rotated (``convrot`` = the group size G the rows were rotated in,
   ``W_rot = W @ H_G.T`` per group): x is rotated once per input (one launch), then the
-  weight-only int8 GEMV runs.
+  weight-only int8 GEMV runs;
+* fp8: ``weight`` float8_e4m3fn / float8_e5m2 ``[N, K]`` with a float32 ``scale`` per tensor (the
+  same GEMV, the bytes widened as fp8).
 
 Who knows a module's storage (ComfyUI's ops, quantized tensors, offloading) builds these records:
 ``StandaloneWeights`` for the engine's own modules, ``patches/comfy_weights.py`` for ComfyUI's.
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels.capabilities import QUANT_DTYPES
+
 
 @dataclass(frozen=True)
 class PlainLinear:
@@ -35,7 +39,8 @@ class PlainLinear:
 
     @property
     def quantized(self) -> bool:
-        return self.weight.dtype == torch.int8
+        """int8 or fp8 (with a scale), as opposed to a weight in the execution dtype."""
+        return self.weight.dtype in QUANT_DTYPES
 
 
 def _kernels():
@@ -68,8 +73,8 @@ def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | Non
 def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
                  rotated: tuple[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """``[linear_rows(x, w) for w in weights]`` as few launches: the Triton GEMV takes up to four
-    weights of one kind per launch (int8 of one ConvRot group size, x rotated once for them; or
-    weights in x's dtype); weights it cannot take (another dtype) go through ``F.linear``.
+    weights of one kind per launch (int8 of one ConvRot group size, x rotated once for them; fp8 of
+    one format; or weights in x's dtype); weights it cannot take (another dtype) go through ``F.linear``.
     x ``[..., K]``, at most 16 rows. ``rotated=(G, x_rot)``: x already ConvRot-rotated in groups of
     G (by the kernel that produced x): the ConvRot-G weights read x_rot, no rotation launch."""
     gemv = _kernels()
@@ -78,9 +83,9 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
     for i, w in enumerate(weights):
         why = gemv.gemv_reason(x, w.weight, w.scale)
         if why is None:
-            kinds.setdefault((w.quantized, w.convrot), []).append(i)
+            kinds.setdefault((w.weight.dtype, w.convrot), []).append(i)
         elif w.quantized:
-            raise ValueError(f"an int8 projection the GEMV cannot take: {why}")
+            raise ValueError(f"a {w.weight.dtype} projection the GEMV cannot take: {why}")
         else:
             outs[i] = F.linear(x, w.weight, w.bias)
     for (_, group), idx in kinds.items():

@@ -7,6 +7,8 @@
   launch (Hopper+: a kernel starts while its predecessor finishes; ``kernels/pdl.py``), else why not
   (``triton_pdl_reason()``: the part that is this Triton's).
 * ``say_once(log, msg)``: the warning when a slower path is taken, once per process.
+* ``QUANT_DTYPES`` / ``fp8_reason(device)``: the weight dtypes the weight-only GEMV widens in
+  registers (int8, fp8 e4m3fn / e5m2), and None when fp8 weights can be read on ``device``, else why not.
 
 The capability matrix (which backend and path runs where) is in ARCHITECTURE.md.
 """
@@ -47,6 +49,26 @@ def triton_reason(device, name: str = "attention_triton") -> str | None:
     """None when the Triton kernels of ``kernels.<name>`` import and can run on ``device``."""
     _, why = triton_module(name)
     return why if why is not None else triton_device_reason(device)
+
+
+#: Weight dtypes read by the weight-only GEMV (``kernels/gemv.py``) with a float32 scale.
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = QUANT_DTYPES[1:]
+
+
+def fp8_reason(device) -> str | None:
+    """None when the GEMV can widen fp8 weights on ``device`` (NVIDIA compute capability 8.9+, the
+    fp8 conversions Triton emits, or the CPU interpreter), else why not (one line)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None if interpreting() else f"fp8 weights are read in place on CUDA GPUs, not {device.type}"
+    if torch.version.hip:
+        return "fp8 weights are read in place on NVIDIA GPUs only (this is ROCm)"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return (f"fp8 weights are read in place on Ada, Hopper or newer GPUs (compute capability 8.9+; "
+                f"this one is {cap[0]}.{cap[1]})")
+    return None
 
 
 #: Set to "0" to launch every kernel plainly (benchmarks compare the two).

@@ -7,11 +7,13 @@ on the tensor cores, float32 accumulation; K is split only on request (``split``
 then the consumer adds the partials (no reduction launch of its own).
 
 Weights are bf16/fp16 (x's dtype) or int8 with a float32 scale per output row or per tensor
-(ComfyUI's ``int8_tensorwise``): weight-only quantization, the int8 values are widened to x's
-dtype in registers (exact: |q| <= 128 fits every float format), multiplied on the tensor cores
-with float32 accumulation, and the scale is applied to the accumulated row. Bytes read: the int8
-weights once. ``hadamard_rotate`` gives x the ConvRot rotation such weights expect. With
-programmatic dependent launch (Hopper+, ``kernels/pdl.py``) a product is scheduled while its
+(ComfyUI's ``int8_tensorwise``), or fp8 (e4m3fn / e5m2, ComfyUI's ``float8_*`` layouts, per-tensor
+scale): weight-only quantization, the int8 or fp8 values are widened to x's dtype in registers
+(exact: |q| <= 128 and every fp8 value fit bf16, fp16 and fp32), multiplied on the tensor cores
+with float32 accumulation, and the scale is applied to the accumulated row. Bytes read: the 8-bit
+weights once (fp8 is loaded as bytes and bitcast; ``capabilities.fp8_reason`` says where).
+``hadamard_rotate`` gives x the ConvRot rotation int8 ConvRot weights expect. With programmatic
+dependent launch (Hopper+, ``kernels/pdl.py``) a product is scheduled while its
 input's producer finishes and waits for it inside the kernel.
 
 ``gemv_group`` runs up to four weights that read the same x in one launch (a DeltaNet layer's four
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .capabilities import triton_device_reason
+from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 from .pdl import enter, launch_args, trigger, wait
 
@@ -46,8 +48,9 @@ MAX_GROUP = 4
 @triton.jit
 def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: tl.constexpr,
           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          EVEN_K: tl.constexpr, PDL: tl.constexpr):
+          EVEN_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
+    # FP8: 0 (int8 or x's dtype), 1 (e4m3fn bytes), 2 (e5m2 bytes).
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -72,7 +75,11 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
         else:
             w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
         x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
-        if QUANT:  # int8 -> x's dtype, exact
+        if QUANT:  # int8 or fp8 -> x's dtype, exact
+            if FP8 == 1:
+                w = w.to(tl.float8e4nv, bitcast=True)
+            elif FP8 == 2:
+                w = w.to(tl.float8e5, bitcast=True)
             w = w.to(x.dtype)
         if IEEE:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -89,21 +96,21 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
                  sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, FP8: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
         _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-              EVEN_K, PDL)
+              EVEN_K, PDL, FP8)
     elif COUNT > 1 and pid < E1:
         _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL)
+              BLOCK_K, EVEN_K, PDL, FP8)
     elif COUNT > 2 and pid < E2:
         _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL)
+              BLOCK_K, EVEN_K, PDL, FP8)
     elif COUNT > 3:
         _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL)
+              BLOCK_K, EVEN_K, PDL, FP8)
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
@@ -155,17 +162,22 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 def gemv_reason(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> str | None:
     """None when ``gemv`` supports these operands, else why not (one line). ``w`` is float in x's
-    dtype (``scale`` None), or int8 with a float32 ``scale`` of shape ``[]``, ``[1]``, ``[N]`` or ``[N, 1]``."""
+    dtype (``scale`` None), or int8 / fp8 (``capabilities.QUANT_DTYPES``) with a float32 ``scale`` of
+    shape ``[]``, ``[1]``, ``[N]`` or ``[N, 1]``."""
     if x.dtype not in _FLOATS:
         return f"x is {x.dtype} (bf16, fp16 or fp32)"
-    if w.dtype == torch.int8:
+    if w.dtype in QUANT_DTYPES:
         if scale is None:
-            return "int8 weight without a scale"
+            return f"{w.dtype} weight without a scale"
         if scale.dtype != torch.float32 or scale.numel() not in (1, w.shape[0]) or scale.device != w.device:
             return (f"scale {scale.dtype} {tuple(scale.shape)} is not float32 per tensor or per output row "
                     f"of a {tuple(w.shape)} weight on its device")
+        if w.dtype in FP8_DTYPES:
+            why = fp8_reason(w.device)
+            if why is not None:
+                return why
     elif w.dtype != x.dtype or scale is not None:
-        return f"operands {x.dtype} x {w.dtype} (a weight in x's dtype, or int8 with a scale)"
+        return f"operands {x.dtype} x {w.dtype} (a weight in x's dtype, or int8 / fp8 with a scale)"
     if w.dim() != 2 or w.stride(1) != 1:
         return "weight is not a row-major matrix"
     rows = x.numel() // max(1, x.shape[-1])
@@ -198,8 +210,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
                split: int = 1) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch (1..4 weights ``[N_i, K]``, row-major, one dtype).
 
-    x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 with
-    ``scales`` (float32 per tensor or per output row: ``y = (x @ q.T) * scale``). Returns
+    x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 / fp8
+    with ``scales`` (float32 per tensor or per output row: ``y = (x @ q.T) * scale``). Returns
     ``[..., N_i]`` tensors in x's dtype (float32 accumulation). ``convrot=G``: the weights are
     ConvRot-rotated in groups of G (K a multiple of G), so x is first rotated by ``hadamard_rotate``
     (one launch more, shared by the group). ``config`` = (BLOCK_N, BLOCK_K, warps, stages)
@@ -212,7 +224,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         raise ValueError(f"gemv_group: split must be >= 1, got {split}")
     if not 1 <= len(weights) <= MAX_GROUP:
         raise ValueError(f"gemv_group: 1..{MAX_GROUP} weights, got {len(weights)}")
-    quant = weights[0].dtype == torch.int8
+    quant = weights[0].dtype in QUANT_DTYPES
+    fp8 = FP8_DTYPES.index(weights[0].dtype) + 1 if weights[0].dtype in FP8_DTYPES else 0
     if scales is not None and len(scales) != len(weights):
         raise ValueError(f"gemv_group: {len(scales)} scales for {len(weights)} weights")
     k = weights[0].shape[-1]
@@ -239,7 +252,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         total += triton.cdiv(n, block_n)
         ends.append(total)
     pad = MAX_GROUP - len(weights)
-    ws, ys, ss = weights + [weights[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
+    ws = [w.view(torch.uint8) for w in weights] if fp8 else list(weights)  # fp8 as bytes, bitcast in the kernel
+    ws, ys, ss = ws + [ws[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
     _gemv_kernel[(total, parts)](
         x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
@@ -247,15 +261,15 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         *(y.stride(0) if split > 1 else 0 for y in ys),
         COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-        **launch_args(x.device),
+        FP8=fp8, **launch_args(x.device),
     )
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, convrot: int = 0,
          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ w.T`` (times ``scale`` for int8 ``w``; x ConvRot-rotated first with ``convrot=G``): x
-    ``[..., K]`` with at most 16 rows in all, w ``[N, K]`` row-major in x's dtype or int8. Returns
+    """``x @ w.T`` (times ``scale`` for int8 / fp8 ``w``; x ConvRot-rotated first with ``convrot=G``): x
+    ``[..., K]`` with at most 16 rows in all, w ``[N, K]`` row-major in x's dtype, int8 or fp8. Returns
     ``[..., N]`` in x's dtype (float32 accumulation)."""
     return gemv_group(x, [w], scales=None if scale is None else [scale], convrot=convrot, config=config)[0]
 

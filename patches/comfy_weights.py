@@ -10,8 +10,10 @@ decides whether the fast path may read a module's weight itself is in the module
   hooks), no lowvram patch functions, no forced casting;
 * the weight is resident: on the execution device, not streamed in per call (DynamicVRAM's
   ``_v``) and not left on the CPU by a partial (lowvram) load;
-* a format the kernels read as stored: a plain tensor in the execution dtype, or comfy-kitchen's
-  ``TensorWiseINT8Layout`` (int8 rows, a float32 scale per row or per tensor, optionally ConvRot).
+* a format the kernels read as stored: a plain tensor in the execution dtype, comfy-kitchen's
+  ``TensorWiseINT8Layout`` (int8 rows, a float32 scale per row or per tensor, optionally ConvRot),
+  or ComfyUI's fp8 layouts (``TensorCoreFP8Layout`` and its E4M3 / E5M2 names: float8 rows and one
+  float32 scale; ``capabilities.fp8_reason`` says on which GPUs).
 
 A resolved module gives a ``PlainLinear`` over the same storage (no copy); anything else keeps
 ComfyUI's own module call, and ``resolve`` says why, naming the module.
@@ -25,11 +27,15 @@ import torch
 
 from ..engine.plain_weights import PlainLinear, StandaloneWeights
 from ..kernels import say_once
+from ..kernels.capabilities import fp8_reason
 from ..kernels.convrot import convrot_group_ok
 
 log = logging.getLogger(__name__)
 
 INT8_LAYOUT = "TensorWiseINT8Layout"
+#: ComfyUI's per-tensor fp8 layouts (``comfy/quant_ops.py``) and their storage dtypes.
+FP8_LAYOUTS = {"TensorCoreFP8Layout": torch.float8_e4m3fn, "TensorCoreFP8E4M3Layout": torch.float8_e4m3fn,
+               "TensorCoreFP8E5M2Layout": torch.float8_e5m2}
 _STANDALONE = StandaloneWeights()
 
 
@@ -130,8 +136,11 @@ class Resolver:
         return PlainLinear(w.detach(), bias=bias), None
 
     def _quantized(self, w, layout: str, bias, device, dtype) -> tuple[PlainLinear | None, str | None]:
+        if layout in FP8_LAYOUTS:
+            return self._fp8(w, layout, bias, device)
         if layout != INT8_LAYOUT:
-            return None, f"its weight is {layout}, which the fast path does not read (int8_tensorwise only)"
+            return None, (f"its weight is {layout}, which the fast path does not read (int8_tensorwise and "
+                          "per-tensor fp8 only)")
         q, params = getattr(w, "_qdata", None), getattr(w, "_params", None)
         scale = getattr(params, "scale", None)
         if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.dim() != 2 or \
@@ -154,3 +163,23 @@ class Resolver:
             if q.shape[1] % group:
                 return None, f"its ConvRot group {group} does not divide the width {q.shape[1]}"
         return PlainLinear(q, scale=scale.detach().reshape(-1), convrot=group, bias=bias), None
+
+    def _fp8(self, w, layout: str, bias, device) -> tuple[PlainLinear | None, str | None]:
+        """An fp8 ``QuantizedTensor``: ``_qdata`` float8 ``[N, K]``, ``_params.scale`` float32 ``[]``;
+        ComfyUI dequantizes it as ``qdata * scale``."""
+        q, params = getattr(w, "_qdata", None), getattr(w, "_params", None)
+        scale = getattr(params, "scale", None)
+        if not isinstance(q, torch.Tensor) or q.dtype != FP8_LAYOUTS[layout] or q.dim() != 2 or \
+                not isinstance(scale, torch.Tensor):
+            return None, f"its {layout} weight does not hold {FP8_LAYOUTS[layout]} rows and a scale tensor"
+        if tuple(getattr(params, "orig_shape", q.shape)) != tuple(q.shape) or q.stride(1) != 1:
+            return None, f"its {layout} weight is not stored as row-major [out, in]"
+        if q.device != device or scale.device != device:
+            return None, (f"its weight lives on {q.device}, not {device} (the model is partly offloaded: "
+                          "free VRAM or unload other models)")
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            return None, f"its fp8 scale is {scale.dtype} {tuple(scale.shape)}, not one float32"
+        why = fp8_reason(device)
+        if why is not None:
+            return None, why
+        return PlainLinear(q, scale=scale.detach().reshape(-1), bias=bias), None

@@ -43,6 +43,36 @@ def test_int8_convrot_read_in_place():
     assert plain2.convrot == 0
 
 
+def fp8_linear(n=8, k=64, dtype=torch.float8_e4m3fn, layout="TensorCoreFP8E4M3Layout", scale=None):
+    """A Linear holding ComfyUI's fp8 QuantizedTensor (``float8_e4m3fn`` / ``float8_e5m2`` files)."""
+    q = torch.randn(n, k).to(dtype)
+    params = ck.TensorCoreFP8Layout.Params(scale=torch.tensor(0.02) if scale is None else scale, orig_dtype=BF16,
+                                           orig_shape=(n, k))
+    mod = torch.nn.Linear(k, n, bias=False)
+    mod.weight = torch.nn.Parameter(ck.QuantizedTensor(q, layout, params), requires_grad=False)
+    mod.comfy_cast_weights = mod.comfy_force_cast_weights = True
+    mod.weight_function, mod.bias_function = [], []
+    return mod, q
+
+
+@pytest.mark.parametrize("dtype, layout", [(torch.float8_e4m3fn, "TensorCoreFP8Layout"),
+                                           (torch.float8_e4m3fn, "TensorCoreFP8E4M3Layout"),
+                                           (torch.float8_e5m2, "TensorCoreFP8E5M2Layout")])
+def test_fp8_read_in_place(dtype, layout, monkeypatch):
+    mod, q = fp8_linear(dtype=dtype, layout=layout)
+    plain, why = Resolver().linear(mod, CPU, BF16)
+    assert why is None and plain.quantized and plain.convrot == 0
+    assert plain.weight.data_ptr() == q.data_ptr() and plain.weight.dtype == dtype
+    assert plain.scale.shape == (1,) and plain.scale.dtype == torch.float32
+    # a per-row fp8 scale (no ComfyUI layout writes one) or the wrong storage stays on the module path
+    assert "not one float32" in Resolver().linear(fp8_linear(scale=torch.rand(8))[0], CPU, BF16)[1]
+    assert "does not hold" in Resolver().linear(fp8_linear(dtype=torch.float8_e5m2)[0], CPU, BF16)[1]
+    # where the GEMV cannot widen fp8, the reason says which GPUs can
+    from qwen35_fast.kernels import capabilities
+    monkeypatch.setattr(capabilities, "interpreting", lambda: False)
+    assert "CUDA" in Resolver().linear(mod, CPU, BF16)[1]
+
+
 def test_dense_read_in_place_despite_the_flags():
     mod = dense_linear()
     plain, why = Resolver().linear(mod, CPU, BF16)
@@ -52,11 +82,11 @@ def test_dense_read_in_place_despite_the_flags():
 
 @pytest.mark.parametrize("case, expect", [
     ("dynamic", "DynamicVRAM"), ("lora", "per-call weight patches"), ("lowvram", "lowvram weight patches"),
-    ("offloaded", "lives on meta"), ("dtype", "cast per call"), ("fp8", "TensorCoreFP8Layout"),
+    ("offloaded", "lives on meta"), ("dtype", "cast per call"), ("nvfp4", "TensorCoreNVFP4Layout"),
     ("bias", "its bias is torch.float32"),
 ])
 def test_what_stays_on_the_module_path(case, expect):
-    mod = int8_linear(layout="TensorCoreFP8Layout")[0] if case == "fp8" else dense_linear()
+    mod = int8_linear(layout="TensorCoreNVFP4Layout")[0] if case == "nvfp4" else dense_linear()
     if case == "dynamic":
         mod._v = object()
     elif case == "lora":

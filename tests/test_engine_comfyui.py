@@ -17,7 +17,7 @@ import torch
 from qwen35_fast.engine import bind, build_mtp_head, generate
 from qwen35_fast.patches.comfy_bridge import WEIGHTS, comfy_weight_cast
 
-from tests.oracles.comfy_tree import import_comfyui, int8_convrot
+from tests.oracles.comfy_tree import fp8_scaled, import_comfyui, int8_convrot
 from tests.oracles.tiny import add_mtp, make_tiny, to_layout
 
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
@@ -94,10 +94,10 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
 
 
-@pytest.mark.parametrize("fmt", ["float", "int8_convrot", "int8_convrot256"])
+@pytest.mark.parametrize("fmt", ["float", "int8_convrot", "int8_convrot256", "float8_e4m3fn", "float8_e5m2"])
 def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     """ComfyUI's own modules as its loader leaves them (``manual_cast`` ops, or ``MixedPrecisionOps``
-    with int8_tensorwise + ConvRot weights; ``comfy_cast_weights`` / ``comfy_force_cast_weights`` set
+    with int8_tensorwise + ConvRot or per-tensor fp8 weights; ``comfy_cast_weights`` / ``comfy_force_cast_weights`` set
     as ``ModelPatcher.load`` writes them on a CLIP): the fused plan reads every projection in place (nothing left
     on the module path) and its greedy tokens, MTP off and depth 3, equal the module path's, where
     ComfyUI itself dequantizes (``_full_precision_mm``: weight-only, like the fast path). CPU, Triton
@@ -116,7 +116,9 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
         monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False: 2)
         monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False: (16, 64, 4, 2))  # 256 = 4 tiles: 2 partials
     group = 256 if wide else 16
-    layout = None if fmt == "float" else (lambda sd: int8_convrot(sd, group=group))
+    fp8 = getattr(torch, fmt) if fmt.startswith("float8") else None
+    layout = None if fmt == "float" else (lambda sd: fp8_scaled(sd, fp8)) if fp8 else \
+        (lambda sd: int8_convrot(sd, group=group))
     model = _comfy_model(comfy, sd, d, ops=ops.manual_cast if layout is None else ops.mixed_precision_ops(
         {}, torch.float32), layout=layout)
     for m in model.modules():  # the flags ModelPatcher.load writes on a CLIP's modules (say "may cast")
@@ -132,10 +134,15 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     assert plan is not None, why
     assert plan.unresolved == {}, plan.describe()
     if layout is not None:
-        assert plan.formats.get("int8+ConvRot") == 3 * (5 + 3) + (4 + 3) + 1, plan.formats  # lm_head; MTP float
-        assert set(plan.norm_rotation.values()) == {group} and len(plan.norm_rotation) == 2 * 4, plan.norm_rotation
+        kind = fmt if fp8 else "int8+ConvRot"
+        assert plan.formats.get(kind) == 3 * (5 + 3) + (4 + 3) + 1, plan.formats  # lm_head; MTP float
+        if fp8:
+            assert plan.norm_rotation == {}
+        else:
+            assert set(plan.norm_rotation.values()) == {group} and len(plan.norm_rotation) == 2 * 4, \
+                plan.norm_rotation
         for m in model.modules():
-            if getattr(m, "quant_format", None) == "int8_tensorwise":
+            if getattr(m, "quant_format", None) in ("int8_tensorwise", fmt):
                 m._full_precision_mm = True  # the module path: ComfyUI dequantizes, then a float matmul
     emb = torch.randn(11, d["hidden_size"], generator=rng)
     for mtp in ("off", 3):

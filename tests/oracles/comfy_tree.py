@@ -44,6 +44,27 @@ def import_comfyui(tree: str):
     return comfy
 
 
+def fp8_scaled(tensors: dict, dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
+    """Every Linear weight (2-D, not the embedding) as ComfyUI's save path writes a per-tensor fp8
+    format: ``<layer>.weight`` in ``dtype``, a float32 ``<layer>.weight_scale`` and a
+    ``<layer>.comfy_quant`` JSON tensor (``{"format": "float8_e4m3fn"}``), quantized by comfy-kitchen
+    as ComfyUI's fp8 layouts quantize (scale = amax / the format's max)."""
+    import comfy_kitchen as ck
+
+    conf = {"format": str(dtype).replace("torch.", "")}
+    marker = torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
+    out = {}
+    for key, w in tensors.items():
+        if key.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in key:
+            scale = (w.abs().amax() / torch.finfo(dtype).max).float()
+            out[key] = ck.quantize_per_tensor_fp8(w, scale, dtype)
+            out[key + "_scale"] = scale
+            out[key[: -len("weight")] + "comfy_quant"] = marker.clone()
+        else:
+            out[key] = w
+    return out
+
+
 def int8_convrot(tensors: dict, group: int = 256) -> dict:
     """Every Linear weight (2-D, not the embedding) as ComfyUI's save path writes int8_tensorwise +
     ConvRot: int8 ``<layer>.weight``, float32 per-row ``<layer>.weight_scale`` and a
