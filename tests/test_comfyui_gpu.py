@@ -1,6 +1,7 @@
 """GPU, inside a real ComfyUI in process (``QWEN35_FAST_COMFYUI=<ComfyUI tree>``): the fast path on
 models loaded by ComfyUI's own loader (``comfy.sd.load_clip`` through the pack's loader), random
-0.8B checkpoints in ComfyUI's bf16 and int8_convrot formats written by ``benchmarks/comfy_e2e.py``.
+0.8B checkpoints in ComfyUI's bf16, int8_convrot and fp8 (float8_e4m3fn) formats written by
+``benchmarks/comfy_e2e.py``.
 
 * the fast path is what runs (every projection read in place, CUDA graphs on: the engine's log
   line), and its greedy tokens equal the module path's (the same ComfyUI modules called per
@@ -42,7 +43,7 @@ def checkpoints(tmp_path_factory, comfy):
 
     out = {}
     folder = tmp_path_factory.mktemp("ckpt")
-    for fmt in ("bf16", "int8"):
+    for fmt in ("bf16", "int8", "fp8"):
         out[fmt] = folder / f"qwen35_08b_{fmt}.safetensors"
         write_checkpoint(out[fmt], fmt, config_08b(), "cuda", decisive=False, seed=7)
     return out
@@ -54,12 +55,15 @@ def _load(path):
     return load_qwen35_clip(str(path), None).clip
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "fp8"])
 def test_fast_path_chosen_and_equal_to_module_path(comfy, checkpoints, caplog, fmt):
     from qwen35_fast.engine import generate
+    from qwen35_fast.kernels.capabilities import fp8_reason
     from qwen35_fast.patches import comfy_bridge as bridge
     from qwen35_fast.patches.clip_patch import patch_clip
 
+    if fmt == "fp8" and fp8_reason("cuda") is not None:
+        pytest.skip(fp8_reason("cuda"))
     clip = _load(checkpoints[fmt])
     patched = patch_clip(clip, mtp="off")
     tokens = clip.tokenize("a lighthouse on a cliff at dusk, " * 12)
@@ -73,15 +77,20 @@ def test_fast_path_chosen_and_equal_to_module_path(comfy, checkpoints, caplog, f
     device = comfy.model_management.get_torch_device()
     embeds, _ = bridge.prompt_embeds(target, tokens, device)
     kw = dict(max_length=32, stop_tokens=[], weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS, **GREEDY)
-    dtypes = (torch.float32, torch.bfloat16) if fmt == "int8" else (torch.bfloat16,)
+    dtypes = (torch.bfloat16,) if fmt == "bf16" else (torch.float32, torch.bfloat16)
+    if fmt == "fp8":  # the module path dequantizes (weight-only, as the fast path), no fp8 activations
+        for m in target.transformer.modules():
+            if getattr(m, "quant_format", None) == "float8_e4m3fn":
+                m._full_precision_mm = True
     for dtype in dtypes:
         module = generate(target.transformer, embeds, execution_dtype=dtype, mtp="off", fused=False,
                           cuda_graphs=False, **kw)
         caplog.clear()
         fast = generate(target.transformer, embeds, execution_dtype=dtype, mtp="off", **kw)
         line = log_lines(caplog, "decode path")[-1]
-        # float32 steps read the int8 rows in place; the bf16 head / embedding are cast by their modules
-        assert ("CUDA graphs on" in line) if dtype == torch.bfloat16 else ("int8+ConvRot" in line), line
+        # float32 steps read the 8-bit rows in place; the bf16 head / embedding are cast by their modules
+        kind = "int8+ConvRot" if fmt == "int8" else "float8_e4m3fn"
+        assert ("CUDA graphs on" in line) if dtype == torch.bfloat16 else (kind in line), line
         if dtype == torch.float32:  # same math in float32: the same greedy tokens
             assert fast.tokens == module.tokens, (fmt, dtype)
             spec = generate(target.transformer, embeds, execution_dtype=dtype, mtp=3, **kw)
