@@ -166,7 +166,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
             cache.commit()
             stats.steps += 1
             logits = sampler.mask(logits[0], len(sampler.generated))
-            new, accepted, pending_id = [sampler.draw(logits)], 0, None
+            new, pending_id = [sampler.draw(logits)], None
         else:
             if drafted is None:
                 drafted = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)

@@ -32,6 +32,12 @@ from ..kernels.convrot import convrot_group_ok
 
 log = logging.getLogger(__name__)
 
+
+def _offloaded(where: torch.device, device: torch.device) -> str:
+    """Why a weight on ``where`` is not read in place when the step runs on ``device``."""
+    return (f"its weight lives on {where}, not {device} (the model is partly offloaded: free VRAM or unload "
+            "other models)")
+
 INT8_LAYOUT = "TensorWiseINT8Layout"
 #: ComfyUI's per-tensor fp8 layouts (``comfy/quant_ops.py``) and their storage dtypes.
 FP8_LAYOUTS = {"TensorCoreFP8Layout": torch.float8_e4m3fn, "TensorCoreFP8E4M3Layout": torch.float8_e4m3fn,
@@ -129,8 +135,7 @@ class Resolver:
         if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 2:
             return None, f"its weight is a {type(w).__name__}, not a plain matrix"
         if w.device != device:
-            return None, (f"its weight lives on {w.device}, not {device} (the model is partly offloaded: "
-                          "free VRAM or unload other models)")
+            return None, _offloaded(w.device, device)
         if w.dtype != dtype:
             return None, f"its weight is {w.dtype} and the step runs in {dtype} (cast per call)"
         return PlainLinear(w.detach(), bias=bias), None
@@ -149,8 +154,7 @@ class Resolver:
         if getattr(params, "transposed", False) or tuple(getattr(params, "orig_shape", q.shape)) != tuple(q.shape):
             return None, "its int8 weight is stored transposed"
         if q.device != device or scale.device != device:
-            return None, (f"its weight lives on {q.device}, not {device} (the model is partly offloaded: "
-                          "free VRAM or unload other models)")
+            return None, _offloaded(q.device, device)
         if scale.numel() not in (1, q.shape[0]) or q.stride(1) != 1:
             return None, f"its int8 scale {tuple(scale.shape)} is neither per tensor nor per row"
         if scale.dtype != torch.float32:
@@ -175,8 +179,7 @@ class Resolver:
         if tuple(getattr(params, "orig_shape", q.shape)) != tuple(q.shape) or q.stride(1) != 1:
             return None, f"its {layout} weight is not stored as row-major [out, in]"
         if q.device != device or scale.device != device:
-            return None, (f"its weight lives on {q.device}, not {device} (the model is partly offloaded: "
-                          "free VRAM or unload other models)")
+            return None, _offloaded(q.device, device)
         if scale.numel() != 1 or scale.dtype != torch.float32:
             return None, f"its fp8 scale is {scale.dtype} {tuple(scale.shape)}, not one float32"
         why = fp8_reason(device)
