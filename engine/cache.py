@@ -8,7 +8,10 @@ cache (the MTP head's drafts). Nothing here ever reads or clears unfilled slots,
 huge capacity costs no time per token.
 
 DeltaNet restore: the verify forward keeps the recurrent state after every one of its rows
-(per-row snapshots), so ``commit(n)`` just picks state n. A deferred-replay alternative (keep the
+(per-row snapshots), so ``commit(n)`` just picks state n. The fused path writes the state after
+its last row over the committed state itself (``staging_buffers`` holds the rows before it): a
+step always keeps at least its first row and most often all of them (MTP off: always), which
+then costs no copy; ``commit(0)`` of such a step is refused. A deferred-replay alternative (keep the
 pre-verify state, recompute the kept rows after acceptance) costs the same recurrence again for
 every partly accepted step and is measured in the tests; snapshots are never slower and need no
 second pass, so they are what the engine uses.
@@ -22,11 +25,15 @@ touches the private fields.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from .errors import Qwen35Error
+
+_IN_PLACE_DISCARD = ("commit(0) after a fused step: its last row's DeltaNet state is already written over the "
+                     "committed one, so at least its first row must be kept (commit(n), n >= 1)")
 
 
 class KVCache:
@@ -129,19 +136,21 @@ class DeltaNetState:
         self._states: list[torch.Tensor] | None = None
         self._window: torch.Tensor | None = None
         self._rows = 0
+        self._in_place = False
 
     @property
     def staged(self) -> int:
         return self._rows
 
-    def stage(self, states: list[torch.Tensor], window: torch.Tensor, rows: int) -> None:
+    def stage(self, states: list[torch.Tensor], window: torch.Tensor, rows: int, *, in_place: bool = False) -> None:
         """Record the outcome of ``rows`` new rows without applying it.
 
         ``states``: the recurrent state after each row (``len == rows``), or only the final one
         (``len == 1``; then only ``commit(rows)`` or ``commit(0)`` are possible). ``window``: the conv
         inputs ``[B,conv_dim,K-1+rows]`` (old window followed by the new rows). With only the final
         state, only the window's last K-1 columns are kept (a copy: a long prompt's whole window is
-        not held until the commit).
+        not held until the commit). ``in_place``: the last of ``states`` is ``recurrent`` itself,
+        already overwritten (so ``commit(0)`` is refused).
         """
         if self._rows:
             raise Qwen35Error(f"DeltaNetState.stage: {self._rows} staged rows not committed")
@@ -150,7 +159,7 @@ class DeltaNetState:
                               f"columns do not describe {rows} rows")
         if len(states) == 1 and rows > 1:
             window = window[..., rows:].clone()
-        self._states, self._window, self._rows = states, window, rows
+        self._states, self._window, self._rows, self._in_place = states, window, rows, in_place
 
     def commit(self, n: int | None = None) -> None:
         """Apply the first n staged rows (default all); n = 0 discards them."""
@@ -158,6 +167,8 @@ class DeltaNetState:
         n = rows if n is None else n
         if not 0 <= n <= rows:
             raise Qwen35Error(f"DeltaNetState.commit: cannot keep {n} of {rows} staged rows")
+        if rows and not n and self._in_place:
+            raise Qwen35Error(_IN_PLACE_DISCARD)
         if n:
             if len(self._states) == rows:
                 state = self._states[n - 1]
@@ -166,23 +177,25 @@ class DeltaNetState:
             else:
                 raise Qwen35Error(f"DeltaNetState.commit: only the final state of {rows} rows was kept, "
                                   f"so {n} rows cannot be committed")
-            self.recurrent.copy_(state)
+            if state is not self.recurrent:
+                self.recurrent.copy_(state)
             start = n - (self.kernel - 1 + rows - self._window.shape[-1])  # a kept tail starts at column rows
             self.conv.copy_(self._window[..., start:start + self.kernel - 1])
-        self._states, self._window, self._rows = None, None, 0
+        self._states, self._window, self._rows, self._in_place = None, None, 0, False
 
     def _saved(self) -> tuple:
-        return self._states, self._window, self._rows
+        return self._states, self._window, self._rows, self._in_place
 
     def _put(self, saved: tuple) -> None:
-        self._states, self._window, self._rows = saved
+        self._states, self._window, self._rows, self._in_place = saved
 
 
 @dataclass
 class StagedDeltaRows:
     """What ``ModelCache.stage_deltanet`` staged for every DeltaNet layer at once.
 
-    ``states`` float32 ``[n_delta,S,B,Hv,Dk,Dv]`` (the state after each row), ``windows``
+    ``states`` float32 ``[n_delta,S-1,B,Hv,Dk,Dv]`` (the state after each row but the last, which
+    the step wrote over ``ModelCache.recurrent``), ``windows``
     ``[n_delta,B,C,K-1+S]`` (conv inputs), ``rows`` = S, and ``views``: the per-layer views handed
     to each ``DeltaNetState.stage`` (if a layer was restaged since, the record no longer applies).
     """
@@ -236,9 +249,11 @@ class ModelCache:
     # ------------------------------------------------------------------ staging
     def staging_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty buffers for ``rows`` rows of every DeltaNet layer, for ``stage_deltanet``: states
-        float32 ``[n_delta,S,B,Hv,Dk,Dv]`` and conv windows ``[n_delta,B,C,K-1+S]``."""
+        float32 ``[n_delta,S-1,B,Hv,Dk,Dv]`` (every row's but the last: the step writes that one
+        over ``recurrent``, ``gated_delta_step(last_in_place=True)``) and conv windows
+        ``[n_delta,B,C,K-1+S]``."""
         b, conv_dim, k1 = self.conv.shape[1:]
-        states = torch.empty(self.recurrent.shape[0], rows, *self.recurrent.shape[1:], dtype=torch.float32,
+        states = torch.empty(self.recurrent.shape[0], rows - 1, *self.recurrent.shape[1:], dtype=torch.float32,
                              device=self.recurrent.device)
         windows = torch.empty(self.conv.shape[0], b, conv_dim, k1 + rows, dtype=self.conv.dtype,
                               device=self.conv.device)
@@ -249,7 +264,7 @@ class ModelCache:
         filled); ``commit`` then applies them with one copy for all layers."""
         deltas = self.delta_states()
         for j, st in enumerate(deltas):
-            st.stage(states[j], windows[j], rows)
+            st.stage(list(states[j].unbind(0)) + [st.recurrent], windows[j], rows, in_place=True)
         self._staged_delta = StagedDeltaRows(states, windows, rows, [st._states for st in deltas])
 
     @property
@@ -265,19 +280,37 @@ class ModelCache:
             states, windows, rows = staged.states, staged.windows, staged.rows
             n = rows if n is None else n
             if not 0 <= n <= rows:
+                self._staged_delta = staged
                 raise Qwen35Error(f"DeltaNetState.commit: cannot keep {n} of {rows} staged rows")
-            if n:  # one copy for all layers' states and one for their conv windows
+            if not n:
+                self._staged_delta = staged
+                raise Qwen35Error(_IN_PLACE_DISCARD)
+            if n < rows:  # the last row's state is in place already; an earlier one is one copy
                 self.recurrent.copy_(states[:, n - 1])
-                self.conv.copy_(windows[..., n:n + self.kernel - 1])
+            self.conv.copy_(windows[..., n:n + self.kernel - 1])  # one copy for all layers' windows
             for st in deltas:
-                st._put((None, None, 0))
+                st._put((None, None, 0, False))
         for layer in self.layers:
             if isinstance(layer, KVCache) or layer.staged:
                 layer.commit(n)
 
     def discard(self) -> None:
-        """Drop every staged row of the main model (``commit(0)``)."""
+        """Drop every staged row of the main model (``commit(0)``; refused after a fused step,
+        whose last row's DeltaNet state is already in place)."""
         self.commit(0)
+
+    @contextlib.contextmanager
+    def scratch_step(self, part: str):
+        """A step run only for its side effects on the GPU (a CUDA-graph warm-up): afterwards the
+        staged rows and device lengths are forgotten and the DeltaNet state the fused step wrote
+        in place is put back (one copy of ``recurrent`` held meanwhile)."""
+        saved = self.recurrent.clone() if part == "main" else None
+        try:
+            yield
+        finally:
+            self.drop_staged(part, lengths_moved=True)
+            if saved is not None:
+                self.recurrent.copy_(saved)
 
     # ------------------------------------------------------------------ CUDA-graph support
     def _part(self, part: str) -> list:
@@ -306,7 +339,7 @@ class ModelCache:
             self._staged_delta = None
         for st in self._part(part):
             if isinstance(st, DeltaNetState):
-                st._put((None, None, 0))
+                st._put((None, None, 0, False))
             elif st.staged:
                 if lengths_moved:
                     st.length.sub_(st.staged)

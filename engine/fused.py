@@ -315,13 +315,14 @@ class FusedPlan:
 
     def deltanet(self, i: int, la, xn: torch.Tensor, state, neg_a, dt_bias, key_heads: int,
                  states_out: torch.Tensor, window_out: torch.Tensor) -> torch.Tensor:
-        """Fused DeltaNet mixer for S rows; writes per-row states / the conv window into the given
-        buffers (the caller stages them). xn ``[B,S,H]`` -> ``[B,S,H]`` (or split-K partials, for
-        ``norm``); for an int8 ConvRot out_proj the step's gated norm writes its output rotated too."""
+        """Fused DeltaNet mixer for S rows; writes per-row states but the last / the conv window
+        into the given buffers (the caller stages them; the last row's state goes over
+        ``state.recurrent``). xn ``[B,S,H]`` -> ``[B,S,H]`` (or split-K partials, for ``norm``); for
+        an int8 ConvRot out_proj the step's gated norm writes its output rotated too."""
         qkv, z, a, b = self.lins((la.in_proj_qkv, la.in_proj_z, la.in_proj_a, la.in_proj_b), xn)
         group = self._rotation_of((la.out_proj,))
         res = self.step.gated_delta_step(
             qkv, z, a, b, state.conv, self.convs[i],
             neg_a, dt_bias, state.recurrent, self.norms[f"layers.{i}.linear_attn.norm"], self.eps,
-            key_heads=key_heads, states_out=states_out, window_out=window_out, rotate=group)
+            key_heads=key_heads, states_out=states_out, window_out=window_out, rotate=group, last_in_place=True)
         return self.lin(la.out_proj, res[0], (group, res[3]) if group else None, into_norm=True)

@@ -140,9 +140,8 @@ class GraphRunner:
         static = [t.clone() for t in inputs]
         stream = _capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), self.cache.scratch_step(part):
             self._eager(kind, static)  # compiles kernels, allocates lazily built constants
-            self.cache.drop_staged(part, lengths_moved=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:

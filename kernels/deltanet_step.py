@@ -2,18 +2,19 @@
 
 Everything between the layer's input projections and its ``out_proj`` runs in one program per
 (batch, value head): the causal depthwise conv over ``[conv state | new rows]`` with SiLU, the L2
-norm of q and k (q scaled by ``Dk^-0.5``), the gates ``g = -exp(A_log) * softplus(a + dt_bias)`` and
-``beta = sigmoid(b)``, the gated delta rule for each of the S rows (the ``[Dk, Dv]`` float32 state
-stays in registers; the state after every row is written out so a partly accepted MTP verify can
-keep any prefix), and the gated RMSNorm ``rms_norm(o) * w * silu(z)`` of the output. The conv
-window (old state followed by the new rows) is written out too, so the caller can commit any
-number of rows. The unfused torch path (``engine/deltanet.py`` + the layer's modules) computes the
-same function; rounding points follow it: conv output and SiLU are rounded to the execution dtype,
-as is ``o`` before the norm and the normalised ``o`` before the gate. With programmatic dependent
-launch (``kernels/pdl.py``) the state and the constants are read before waiting for the projections.
-With ``rotate=G`` the output is also written ConvRot-rotated, as an int8_convrot ``out_proj``
-reads it: the value columns are then split over programs and a second small kernel does the
-gated norm over two heads at a time (a group of 256 spans two 128-wide heads) and the rotation.
+norm of q and k (q scaled by ``Dk^-0.5``), the gates ``g = -exp(A_log) * softplus(a + dt_bias)``
+and ``beta = sigmoid(b)``, the gated delta rule for each of the S rows (the ``[Dk, Dv]`` float32
+state stays in registers; the state after every row is written out so a partly accepted MTP verify
+can keep any prefix, the last row's over the committed state itself when the caller asks), and the
+gated RMSNorm ``rms_norm(o) * w * silu(z)`` of the output. The conv window (old state followed by
+the new rows) is written out too, so the caller can commit any number of rows. The unfused torch
+path (``engine/deltanet.py`` + the layer's modules) computes the same function; rounding points
+follow it: conv output and SiLU are rounded to the execution dtype, as is ``o`` before the norm and
+the normalised ``o`` before the gate. With programmatic dependent launch (``kernels/pdl.py``) the
+state and the constants are read before waiting for the projections. With ``rotate=G`` the output
+is also written ConvRot-rotated, as an int8_convrot ``out_proj`` reads it: the value columns are
+then split over programs and a second small kernel does the gated norm over two heads at a time (a
+group of 256 spans two 128-wide heads) and the rotation.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def _step_kernel(
     eps, q_scale,
     HV: tl.constexpr, REP: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BV: tl.constexpr, S: tl.constexpr, K: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+    LAST_IN_PLACE: tl.constexpr,
 ):
     # grid (B * HV, DV // BV): program (b, h, vb) owns value columns [vb*BV, (vb+1)*BV) of head h.
     # With BV < DV the gated norm (a reduction over all DV columns) is left to _gated_norm_kernel.
@@ -76,7 +78,8 @@ def _step_kernel(
     k_ch = KEY_DIM + kh * DK + offs_k
     v_ch = 2 * KEY_DIM + h * DV + offs_v
 
-    # The recurrent state (the committed one: no kernel of this step writes it) and the constants
+    # The recurrent state (the committed one: no other kernel of this step writes it; with
+    # LAST_IN_PLACE this program writes its own tile back after the last row) and the constants
     # are read before waiting for the projections.
     trigger(PDL)
     state = tl.load(STATE + b * ss_b + h * ss_h + offs_k[:, None] * DV + offs_v[None, :])
@@ -117,7 +120,10 @@ def _step_kernel(
         delta = (v - mem) * beta
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(q[:, None] * state, axis=0)  # [DV]
-        tl.store(STATES + t * st_t + b * st_b + h * st_h + offs_k[:, None] * DV + offs_v[None, :], state)
+        if LAST_IN_PLACE and t == S - 1:  # the state after the last row, over the one read above
+            tl.store(STATE + b * ss_b + h * ss_h + offs_k[:, None] * DV + offs_v[None, :], state)
+        else:
+            tl.store(STATES + t * st_t + b * st_b + h * st_h + offs_k[:, None] * DV + offs_v[None, :], state)
 
         if BV == DV:
             o = _round(o, DT)
@@ -177,20 +183,23 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
                      dt_bias: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
                      key_heads: int, states_out: torch.Tensor | None = None,
                      window_out: torch.Tensor | None = None, config: tuple[int, int] | None = None,
-                     rotate: int = 0):
+                     rotate: int = 0, last_in_place: bool = False):
     """Fused Gated DeltaNet rows (see the module docstring).
 
     qkv ``[B,S,2*Hk*Dk+Hv*Dv]`` (in_proj_qkv output; last dim contiguous), z ``[B,S,Hv*Dv]``, a, b
     ``[B,S,Hv]`` (in_proj_a / in_proj_b outputs), all in the execution dtype; conv_state
     ``[B,C,K-1]`` and conv_weight ``[C,K]`` in that dtype; neg_a (``-exp(A_log)``), dt_bias float32
-    ``[Hv]``; state float32 ``[B,Hv,Dk,Dv]`` contiguous (read only); norm_weight float32 ``[Dv]``
-    (the gated norm's effective weight). ``key_heads`` = Hk.
+    ``[Hv]``; state float32 ``[B,Hv,Dk,Dv]`` contiguous (read only, unless ``last_in_place``);
+    norm_weight float32 ``[Dv]`` (the gated norm's effective weight). ``key_heads`` = Hk.
 
-    Returns ``(out [B,S,Hv*Dv] dtype, states [S,B,Hv,Dk,Dv] float32 (state after each row),
-    window [B,C,K-1+S] dtype (old conv state then the S new rows))``; ``states_out`` /
-    ``window_out`` may be given (contiguous, those shapes) to write into. ``config``: (value-column
-    blocks, warps) to override the tuned choice (benchmarks, tests). ``rotate=G`` (a ConvRot group
-    size dividing Hv*Dv) appends ``out`` ConvRot-rotated in groups of G (``[B,S,Hv*Dv]``, float32
+    Returns ``(out [B,S,Hv*Dv] dtype, states [S,B,Hv,Dk,Dv] float32 (state after each row), window
+    [B,C,K-1+S] dtype (old conv state then the S new rows))``; ``states_out`` / ``window_out`` may
+    be given (contiguous, those shapes) to write into. ``last_in_place``: the state after the last
+    row is written over ``state`` itself (each program reads its tile first), so ``states`` holds
+    only the S-1 rows before it (``[S-1,B,Hv,Dk,Dv]``): for a caller that always keeps at least one
+    row of the S and keeps all S most often (no copy then). ``config``: (value-column blocks,
+    warps) to override the tuned choice (benchmarks, tests). ``rotate=G`` (a ConvRot group size
+    dividing Hv*Dv) appends ``out`` ConvRot-rotated in groups of G (``[B,S,Hv*Dv]``, float32
     products of the rounded ``out``, one rounding), what an int8 ConvRot ``out_proj`` reads: for G
     16 or 256 the gated norm's kernel writes it (then the value columns are always split, so that
     kernel runs), else one ``hadamard_rotate`` launch.
@@ -225,12 +234,14 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
         conv_state = conv_state.contiguous()
     dt = qkv.dtype
     out = torch.empty(bsz, s, hv * dv, dtype=dt, device=qkv.device)
+    kept = s - 1 if last_in_place else s  # rows whose state goes to states_out
     if states_out is None:
-        states_out = torch.empty(s, bsz, hv, dk, dv, dtype=torch.float32, device=qkv.device)
+        states_out = torch.empty(kept, bsz, hv, dk, dv, dtype=torch.float32, device=qkv.device)
     if window_out is None:
         window_out = torch.empty(bsz, c, kernel - 1 + s, dtype=dt, device=qkv.device)
-    if tuple(states_out.shape) != (s, bsz, hv, dk, dv) or not states_out.is_contiguous():
-        raise ValueError(f"gated_delta_step: states_out must be contiguous {(s, bsz, hv, dk, dv)}")
+    if tuple(states_out.shape) != (kept, bsz, hv, dk, dv) or not states_out.is_contiguous():
+        raise ValueError(f"gated_delta_step: states_out must be contiguous {(kept, bsz, hv, dk, dv)}")
+    st_ptr = states_out if kept else state  # nothing goes to an empty states_out (one row in place)
     if tuple(window_out.shape) != (bsz, c, kernel - 1 + s) or window_out.stride(-1) != 1:
         raise ValueError(f"gated_delta_step: window_out must be {(bsz, c, kernel - 1 + s)} with a contiguous last dim")
     if rotate and (not convrot_group_ok(rotate) or (hv * dv) % rotate):
@@ -243,14 +254,15 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
     if dv % split or not _pow2(dv // split):
         raise ValueError(f"gated_delta_step: cannot split {dv} value columns into {split} power-of-two blocks")
     _step_kernel[(bsz * hv, split)](
-        qkv, z, a, b, conv_state, conv_weight, neg_a, dt_bias, state, norm_weight, out, states_out, window_out,
+        qkv, z, a, b, conv_state, conv_weight, neg_a, dt_bias, state, norm_weight, out, st_ptr, window_out,
         qkv.stride(0), qkv.stride(1), z.stride(0), z.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         conv_state.stride(0), conv_state.stride(1), state.stride(0), state.stride(1),
-        out.stride(0), out.stride(1), states_out.stride(0), states_out.stride(1), states_out.stride(2),
+        out.stride(0), out.stride(1), *((states_out.stride(0), states_out.stride(1), states_out.stride(2)) if kept
+                                        else (0, 0, 0)),
         window_out.stride(0), window_out.stride(1),
         float(eps), dk ** -0.5,
         HV=hv, REP=hv // key_heads, KEY_DIM=key_dim, DK=dk, DV=dv, BV=dv // split, S=s, K=kernel,
-        DT=_TL_DTYPES[dt], num_warps=warps, **launch_args(qkv.device),
+        DT=_TL_DTYPES[dt], LAST_IN_PLACE=last_in_place, num_warps=warps, **launch_args(qkv.device),
     )
     out_rot = torch.empty_like(out) if heads else out
     if split > 1:

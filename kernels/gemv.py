@@ -24,8 +24,11 @@ H200 and removed (``benchmarks/int8_gemv.py``): the SiLU product computed inside
 projection's tiles (every program recomputes it per tile: 99 us against 33 for ``silu_mul`` +
 cuBLAS), the ConvRot rotation inside the product's tiles (two 16-wide products and layout shuffles
 per tile: 17 us against 12 for a rotation launch + the product at 4096x4096), one-row products on
-the CUDA cores instead of the tensor cores (2-3x slower), and the weight tile as the dot's left
-operand (no faster at any shape).
+the CUDA cores instead of the tensor cores (2-3x slower), the weight tile as the dot's left
+operand (no faster at any shape), and the next residual add + RMSNorm done by a split-K product's
+last program (a device finish counter, the row normalized in 512-column pieces: 278 against 312
+tok/s int8 9B MTP off, 518 against 787 with forced MTP-3 at 4096 in one ``comfy_e2e.py`` run: one
+program normalizing whole rows after the product costs more than the norm kernel's launch).
 """
 
 from __future__ import annotations

@@ -105,6 +105,23 @@ def test_step_matches_float64(rng, dtype, shape, config):
         assert rel(states[t], ref_states[t]) < tol, t
 
 
+@pytest.mark.parametrize("config", [None, (2, 4)], ids=["tuned", "split2"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_last_state_in_place(rng, shape, config):
+    """``last_in_place``: the state after the last row is written over the input state (each
+    program reads its own tile before it writes it), the rows before it into ``states``; the
+    output and the window are unchanged."""
+    bsz, s, hk, hv, dk, dv, kernel = shape
+    inputs = make(rng, bsz, s, hk, hv, dk, dv, kernel, torch.float32)
+    ref_out, ref_states, ref_window = oracle(*inputs, 1e-6, hk)
+    out, states, window = run(inputs, 1e-6, hk, config=config, last_in_place=True)
+    assert states.shape == (s - 1, bsz, hv, dk, dv)
+    assert rel(inputs[8], ref_states[-1]) < 2e-5, "the last row's state over the input state"
+    if s > 1:
+        assert rel(states, ref_states[:-1]) < 2e-5
+    assert rel(out, ref_out) < 2e-5 and torch.equal(window.double(), ref_window)
+
+
 @pytest.mark.parametrize("group", [256, 16, 4], ids=["g256", "g16", "g4-launch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3])
@@ -180,6 +197,18 @@ def test_gpu_bf16_9b_shape(s, config):
     assert torch.equal(window.double().cpu(), ref_window)
     assert rel(states, ref_states) < 1e-2
     assert rel(out, ref_out) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [1, 4])
+def test_gpu_bf16_9b_shape_last_state_in_place(s):
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    inputs = make(gen, 1, s, 16, 32, 128, 128, 4, torch.bfloat16)
+    ref_out, ref_states, _ = oracle(*(t.cpu() for t in inputs), 1e-6, 16)
+    out, states, window = run(inputs, 1e-6, 16, last_in_place=True)
+    assert rel(inputs[8], ref_states[-1]) < 1e-2 and rel(out, ref_out) < 2e-2
+    if s > 1:
+        assert rel(states, ref_states[:-1]) < 1e-2
 
 
 @pytest.mark.gpu

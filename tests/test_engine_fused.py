@@ -71,7 +71,7 @@ def test_fused_rows_match_torch_path(model, rng, split):
     prompt = torch.randn(1, 11, d["hidden_size"], generator=rng)
     plain, fused = _runners(model, prompt)
     t = prompt.shape[1]
-    for rows, keep in ((1, 1), (4, 2), (4, 0), (3, 3)):
+    for rows, keep in ((1, 1), (4, 2), (4, 4), (3, 1), (2, 2)):
         x = torch.randn(1, rows, d["hidden_size"], generator=rng)
         length = plain.cache.length
         pos = torch.arange(length, length + rows).expand(3, rows)
@@ -79,6 +79,9 @@ def test_fused_rows_match_torch_path(model, rng, split):
         want = plain.forward(x, pos)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+        if rows == 3:  # the last row's state is in place: dropping every row is refused, nothing applied
+            with pytest.raises(Qwen35Error, match="at least its first row"):
+                fused.cache.commit(0)
         plain.cache.commit(keep)
         fused.cache.commit(keep)
         for (g1, g2), (w1, w2) in zip(_states(fused.cache), _states(plain.cache)):
