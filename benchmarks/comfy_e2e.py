@@ -30,7 +30,9 @@ tokens of text through the CLIP's tokenizer.
 
 Timing: decode tok/s = (tokens - 8) / (time of the last token - time of the 8th), from ComfyUI's
 progress-bar updates (both core and the pack report every token; a generation's first steps
-capture its CUDA graphs, about 0.1-0.5 s once per generation); a warm-up generation first,
+capture its CUDA graphs, about 0.1-0.5 s once per generation); what the user waits for is there
+too: first token s (the call to the first token, prefill included) and end-to-end tok/s (tokens /
+the call to the last token, prefill and captures included); a warm-up generation first,
 then rows in interleaved order per max_length. Floor = bytes one decode step reads (every weight
 but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allocated per row.
 ``--memory``: at the first max_length, what the core and pack rows themselves allocate at their
@@ -180,8 +182,11 @@ class TokenClock:
 
     def run(self, fn, limit: int, skip: int = 8) -> float:
         """Call ``fn`` until ``limit`` tokens were reported; decode tok/s from token ``skip`` on (the
-        first steps of a generation capture its CUDA graphs; the prefill is before the first token)."""
+        first steps of a generation capture its CUDA graphs; the prefill is before the first token).
+        ``last`` then holds what the user waits for: ``first_token_s`` (the call to the first token:
+        prefill included) and ``wall_s`` (the call to the last token), and ``end_to_end_tok_s``."""
         self.limit, self.times = limit, []
+        start = time.perf_counter()
         try:
             fn()
         except _Enough:
@@ -191,6 +196,8 @@ class TokenClock:
         (v0, t0), (v1, t1) = next(((v, t) for v, t in self.times if v >= skip), self.times[0]), self.times[-1]
         if v1 < limit:
             raise RuntimeError(f"generation stopped after {v1} of {limit} tokens")
+        self.last = {"first_token_s": self.times[0][1] - start, "wall_s": t1 - start,
+                     "end_to_end_tok_s": v1 / (t1 - start)}
         return (v1 - v0) / (t1 - t0)
 
 
@@ -253,10 +260,11 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     def row(kind, max_length, tok_s, **extra):
         r = {"format": fmt, "kind": kind, "max_length": max_length, "tok_s": tok_s,
              "ms_per_token": 1e3 / tok_s, "peak_gb": peak_gb(), "floor_ms": floor_ms,
-             "floor_pct": 100 * floor_ms * tok_s / 1e3, **extra}
+             "floor_pct": 100 * floor_ms * tok_s / 1e3, **clock.last, **extra}
         rows.append(r)
         print(f"{fmt:>5} {kind:>13} max_length {max_length:>6}: {tok_s:8.1f} tok/s {r['ms_per_token']:7.2f} ms/token "
-              f"peak {r['peak_gb']:6.2f} GB floor {floor_ms:.2f} ms ({r['floor_pct']:.0f}%)", flush=True)
+              f"peak {r['peak_gb']:6.2f} GB floor {floor_ms:.2f} ms ({r['floor_pct']:.0f}%); first token "
+              f"{r['first_token_s']:.2f} s, {r['end_to_end_tok_s']:.1f} tok/s end to end", flush=True)
         if "peak_allocations" in r:
             mem = r["peak_allocations"]
             print(f"      allocated by the row at its peak: {mem['peak_bytes'] / 2**30:.2f} GB; largest:", flush=True)
@@ -429,15 +437,18 @@ def markdown(run: dict) -> str:
     """README table of one saved run."""
     lines = [f"{run['device']}, torch {run['torch']}, ComfyUI {run['comfyui']}; copy bandwidth "
              f"{run['copy_bw_Bps'] / 1e12:.2f} TB/s; prompt {run['prompt']} tokens, greedy",
-             "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB "
+             "| first token s | end-to-end tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in run["rows"]:
         if r["kind"] == "profile" or r["kind"].startswith(("timeline", "host_profile")):  # lists, not timed rows
             continue
         # The floor is one step's weight read; forced MTP rows make 4 tokens a step (plus 3 head steps).
         pct = "per step" if "forced" in r["kind"] else f"{r['floor_pct']:.0f}%"
+        wait = (f"{r['first_token_s']:.2f} | {r['end_to_end_tok_s']:.1f}" if "wall_s" in r
+                else "- | -")  # runs saved before these were recorded
         lines.append(f"| {r['format']} | {r['kind']} | {r['max_length']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} "
-                     f"| {r['floor_ms']:.2f} ({pct}) | {r['peak_gb']:.2f} |")
+                     f"| {r['floor_ms']:.2f} ({pct}) | {r['peak_gb']:.2f} | {wait} |")
     return "\n".join(lines)
 
 
