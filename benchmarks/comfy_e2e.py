@@ -39,6 +39,8 @@ but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allo
 peak, by call site (``benchmarks/memory_peak.py``). ``--profile``: the kernels of an eager 1-row
 step and the host's Python functions per token of a generation (cProfile, after a warm-up
 generation; also of a forced3 one when ``--kinds`` names it), per format.
+``--profile-prefill``: median wall time of the prompt's prefill (main forward and MTP head, a fresh
+cache each) and its kernels and host ops (torch profiler), per format.
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
@@ -46,7 +48,7 @@ Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8 fp8]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
-        [--kinds core pack pack-sampled pack-plain forced3 standalone] [--timeline]
+        [--profile-prefill] [--kinds core pack pack-sampled pack-plain forced3 standalone] [--timeline]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
 
@@ -278,12 +280,12 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     clock.run(lambda: patched.generate(tokens, max_length=64, **greedy), 32)
     target = bridge.find_qwen35(patched)
     embeds, _ = bridge.prompt_embeds(target, tokens, comfy.model_management.get_torch_device())
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the pack's execution dtype
+    hooks = dict(weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS)  # the patch's binding hooks
     if args.profile:
         from benchmarks.decode_e2e import profile_steps
 
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the pack's execution dtype
-        prof = profile_steps(target.transformer, embeds.to(dtype), attention="auto", fused="auto", top=25,
-                             weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS)
+        prof = profile_steps(target.transformer, embeds.to(dtype), attention="auto", fused="auto", top=25, **hooks)
         rows.append({"format": fmt, "kind": "profile", **prof})
         print(f"{fmt:>5} eager 1-row step: {prof['launches_per_step']:.0f} launches, "
               f"{prof['kernel_us_per_step'] / 1e3:.2f} ms of kernels", flush=True)
@@ -307,6 +309,19 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                     continue
                 print(f"      {f['cum_us']:8.1f} us cum {f['self_us']:8.1f} us self  x{f['calls']:5.1f}  "
                       f"{f['function']}", flush=True)
+
+    if args.profile_prefill:
+        from benchmarks.decode_e2e import profile_prefill
+
+        pre = profile_prefill(target.transformer, embeds.to(dtype), attention="auto", fused="auto", **hooks)
+        rows.append({"format": fmt, "kind": "prefill_profile", **pre})
+        print(f"{fmt:>5} prefill of {pre['prompt_tokens']} tokens: {pre['wall_ms']:.1f} ms wall, "
+              f"{pre['kernel_ms']:.1f} ms of kernels in {pre['launches']} launches", flush=True)
+        for k in pre["top"]:
+            print(f"      {k['us'] / 1e3:8.2f} ms  x{k['count']:5d}  {k['name']}", flush=True)
+        print("      host, by self time:", flush=True)
+        for k in pre["cpu_top"][:15]:
+            print(f"      {k['us'] / 1e3:8.2f} ms  x{k['count']:5d}  {k['name']}", flush=True)
 
     if args.timeline:
         from benchmarks.timeline import print_timeline, token_timeline
@@ -441,7 +456,8 @@ def markdown(run: dict) -> str:
              "| first token s | end-to-end tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in run["rows"]:
-        if r["kind"] == "profile" or r["kind"].startswith(("timeline", "host_profile")):  # lists, not timed rows
+        if r["kind"] in ("profile", "prefill_profile") or r["kind"].startswith(("timeline", "host_profile")):
+            # lists, not timed rows
             continue
         # The floor is one step's weight read; forced MTP rows make 4 tokens a step (plus 3 head steps).
         pct = "per step" if "forced" in r["kind"] else f"{r['floor_pct']:.0f}%"
@@ -467,6 +483,8 @@ def main() -> None:
     ap.add_argument("--dynamic", action="store_true", help="load through DynamicVRAM (needs comfy-aimdo)")
     ap.add_argument("--profile", action="store_true",
                     help="also list the kernels of an eager 1-row decode step per format (torch profiler)")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="also time the prompt's prefill and list its kernels and host ops per format")
     ap.add_argument("--memory", action="store_true",
                     help="at the first max_length, list what the core and pack rows allocate at their peak")
     ap.add_argument("--timeline", action="store_true",

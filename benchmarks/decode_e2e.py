@@ -236,6 +236,66 @@ def profile_steps(model, prompt, *, attention: str, fused, steps: int = 5, top: 
 
 
 @torch.no_grad()
+def profile_prefill(model, prompt, *, attention: str, fused, repeats: int = 3, top: int = 25, weight_cast=None,
+                    weights=None) -> dict:
+    """What a prompt's prefill costs: median wall ms of ``repeats`` prefills (main forward, commit,
+    MTP head over the prompt; ``generate``'s own calls) and the kernels of one (torch profiler):
+    time per kernel name, the largest ``top``, and the CPU ops by self time (host-bound parts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    binding = bind(model, weight_cast=weight_cast, weights=weights)
+    device, dtype, t = prompt.device, prompt.dtype, prompt.shape[1]
+    pos = torch.arange(t, device=device).expand(3, t)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def runner():  # a fresh cache per prefill, built outside the timed part
+        r = build_runner(binding, capacity=t + 64, dtype=dtype, device=device, attention=attention, mtp=True,
+                         fused=fused, cuda_graphs=False)
+        sync()
+        return r
+
+    def prefill(r):
+        r.forward(prompt, pos, keep_rows=False)
+        r.cache.commit()
+        r.mtp_forward(prompt, prompt, pos)
+        r.cache.mtp.commit()
+
+    prefill(runner())
+    sync()
+    walls = []
+    for _i in range(repeats):
+        r = runner()
+        t0 = time.perf_counter()
+        prefill(r)
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        del r
+    r = runner()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        prefill(r)
+        sync()
+    kernels, ops = {}, {}
+    for ev in prof.events():
+        if cuda and ev.device_type.name == "CUDA":
+            k = kernels.setdefault(ev.name, [0, 0.0])
+            k[0] += 1
+            k[1] += ev.device_time
+        elif ev.device_type.name == "CPU":
+            o = ops.setdefault(ev.name, [0, 0.0])
+            o[0] += 1
+            o[1] += ev.self_cpu_time_total
+
+    def ranked(d):
+        by_time = sorted(d.items(), key=lambda kv: -kv[1][1])[:top]
+        return [{"name": n[:90], "count": c, "us": tt} for n, (c, tt) in by_time]
+    return {"prompt_tokens": t, "wall_ms": sorted(walls)[len(walls) // 2],
+            "kernel_ms": sum(tt for _c, tt in kernels.values()) / 1e3,
+            "launches": sum(c for c, _t in kernels.values()), "top": ranked(kernels), "cpu_top": ranked(ops)}
+
+
+@torch.no_grad()
 def trace_generation(model, prompt, *, attention: str, tokens: int, top: int = 25) -> dict:
     """Host-side cost of a real greedy generation (MTP off, graphs on): the CPU ops that take the
     most self time per token (torch profiler), and GPU kernel time against wall time. CUDA activity

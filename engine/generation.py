@@ -178,8 +178,6 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
             logits = sampler.mask(logits[0], len(sampler.generated))
             new, accepted, pending_id = accept(sampler, logits, drafts, qs)
             stats.accepted += accepted
-            if pending_id is None:
-                pending_id = to_device(new[-1:], device)
             kept = pre if use_prenorm else hidden
             catchup_hidden = kept[:, :accepted + 1]
             catchup_emb = torch.cat([rows[:, 1:accepted + 1], binding.embed(pending_id.view(1, 1), dtype, device)],

@@ -3,9 +3,9 @@
 ``target_probs`` returns the probabilities ComfyUI's sampler draws from (penalties, temperature,
 top-k, min-p, top-p, in that order and with the same tie rules), so a speculative decoder can
 accept or reject drafts against exactly that distribution. ``sample`` draws from it,
-``speculative_accept`` is the exact accept / resample rule for one draft token (the greedy rule,
-an exact argmax comparison, is in ``speculative.accept``). ``Sampler`` keeps one generation's
-sampling state.
+``speculative_accept_rows`` is the exact accept / resample rule for a verify step's drafts, on
+the device (``speculative_accept``: one draft; the greedy rule, an exact argmax comparison, is in
+``speculative.accept``). ``Sampler`` keeps one generation's sampling state.
 
 ComfyUI's filters, restated (``x`` are the logits of one row):
 
@@ -23,14 +23,11 @@ ComfyUI's filters, restated (``x`` are the logits of one row):
 from __future__ import annotations
 
 import array
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -328,19 +325,48 @@ def speculative_accept(probs_target: torch.Tensor, draft_token: int, generator: 
     if not 0 <= draft_token < v:
         raise ValueError(f"speculative_accept: draft_token {draft_token} is outside the vocabulary [0, {v})")
 
-    accept_p = acceptance_probability(probs_target, draft_token, probs_draft)
-    device = generator.device if generator is not None else probs_target.device
-    u = float(torch.rand((), generator=generator, device=device, dtype=torch.float64))
-    if u < accept_p:
+    drafts = torch.tensor([draft_token], device=probs_target.device)
+    keep, replacement = speculative_accept_rows(probs_target[None], drafts, generator,
+                                                None if probs_draft is None else probs_draft[None])
+    if bool(keep[0]):
         return True, None
-    residual = residual_distribution(probs_target, draft_token, probs_draft)
-    if residual is None:
-        # Only reachable through rounding (p(d) just below 1, or p == q): d is the only outcome.
-        log.debug("speculative_accept: empty residual after rejecting token %d; keeping it", draft_token)
-        return True, None
-    # The residual is 0 at a rejected draft (p(d) < q(d), or d removed), so replacement != d.
-    replacement = int(torch.multinomial(residual.to(device), 1, generator=generator))
-    return False, replacement
+    return False, int(replacement[0])
+
+
+def speculative_accept_rows(probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None,
+                            probs_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``speculative_accept`` for k drafts at once, on the device, without reading anything back.
+
+    probs float ``[k,V]`` (the target's distribution at each draft's row), drafts int64 ``[k]``
+    (in ``[0, V)``), probs_draft float ``[k,V]`` or None (point-mass drafts). Returns ``(keep bool
+    [k], replacement int64 [k])``: row i keeps its draft with probability ``acceptance_probability``
+    (always when its residual is empty), else its token is ``replacement[i]``, drawn from
+    ``residual_distribution`` (never the draft). Every row draws its own uniform and its own
+    residual sample from ``generator`` (on probs' device), so the rows are independent and a caller
+    may stop at the first rejected one and drop the rest."""
+    if probs.dim() != 2 or drafts.shape != (probs.shape[0],):
+        raise ValueError(f"speculative_accept_rows: probs [k, V] and drafts [k], got {tuple(probs.shape)} and "
+                         f"{tuple(drafts.shape)}")
+    if probs_draft is not None and probs_draft.shape != probs.shape:
+        raise ValueError(f"speculative_accept_rows: probs_draft {tuple(probs_draft.shape)} must match probs "
+                         f"{tuple(probs.shape)}")
+    k = probs.shape[0]
+    idx = drafts.view(k, 1)
+    res = probs.to(torch.float64)
+    p_d = res.gather(1, idx).squeeze(1)
+    if probs_draft is None:
+        accept_p = p_d.clamp(0.0, 1.0)
+        res = res.scatter(1, idx, 0.0)
+    else:
+        q = probs_draft.to(torch.float64)
+        q_d = q.gather(1, idx).squeeze(1)
+        accept_p = torch.where(q_d > 0.0, (p_d / q_d).clamp(0.0, 1.0), (p_d > 0.0).to(torch.float64))
+        res = (res - q).clamp_(min=0.0)
+    u = torch.rand(k, generator=generator, device=probs.device, dtype=torch.float64)
+    # An empty residual is reachable only through rounding (p(d) just below 1, or p == q): d is
+    # then the only outcome and is kept.
+    keep = (u < accept_p) | ~(res.sum(dim=1) > 0.0)
+    return keep, multinomial_one(res, generator).squeeze(1)
 
 
 def _check_probs_vector(name: str, probs) -> None:

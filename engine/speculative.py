@@ -13,7 +13,8 @@ Terms (as in vLLM's rejection sampler):
   forward of k + 1 rows.
 * **accepted drafts**: the longest prefix that survives acceptance; greedy compares with the
   model's argmax (so greedy MTP equals plain greedy token for token), sampled uses
-  ``sampling.speculative_accept`` (accept with min(1, p/q), else resample from the residual).
+  ``sampling.speculative_accept_rows`` (accept with min(1, p/q), else resample from the residual;
+  every draft's decision drawn on the device, one read per verify step).
 * **correction token**: the token drawn in place of the first rejected draft (from the residual
   distribution; greedy: the model's argmax there). **bonus token**: when all k drafts are
   accepted, the token drawn from the verify's last row. Either way a step yields accepted + 1
@@ -34,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from .rope import RowPositions
-from .sampling import Sampler, sample, speculative_accept, target_probs, to_device
+from .sampling import Sampler, sample, speculative_accept_rows, target_probs, to_device
 
 
 def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hidden: torch.Tensor,
@@ -79,10 +80,11 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
 
 
 def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor,
-           qs) -> tuple[list[int], int, torch.Tensor | None]:
+           qs) -> tuple[list[int], int, torch.Tensor]:
     """New tokens from the verify logits ``[k+1,V]`` and the drafts (int64 ``[k]`` on the device):
     the accepted drafts, then the correction or bonus token; the number of drafts accepted; and
-    the last new token as int64 ``[1]`` on the device where it is there already (greedy), else None."""
+    the last new token as int64 ``[1]`` on the device. Sampled: every draft's accept decision,
+    replacement and the bonus token are drawn on the device and read back once."""
     k = drafts.shape[0]
     if sampler.greedy:
         both_ids = torch.cat([logits.argmax(dim=-1), drafts])
@@ -93,12 +95,12 @@ def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor,
             accepted += 1
         return proposed[:accepted] + [target[accepted]], accepted, both_ids[accepted:accepted + 1]
     probs = target_probs(logits, sampler.seen_rows(drafts, k + 1, logits.shape[1]), sampler.params)
-    proposed = drafts.tolist()
-    new: list[int] = []
-    for i in range(k):
-        ok, correction = speculative_accept(probs[i], proposed[i], sampler.generator, qs[i])
-        if not ok:
-            return new + [correction], i, None
-        new.append(proposed[i])
-    new.append(int(sample(probs[k:k + 1], sampler.generator, top_k=sampler.params.top_k)[0]))  # bonus
-    return new, k, None
+    keep, replacement = speculative_accept_rows(probs[:k], drafts, sampler.generator,
+                                                None if qs[0] is None else torch.stack(qs))
+    bonus = sample(probs[k:k + 1], sampler.generator, top_k=sampler.params.top_k)
+    ids = torch.cat([drafts, keep.to(torch.int64), replacement, bonus])
+    read = ids.tolist()  # the step's one read
+    proposed, kept = read[:k], read[k:2 * k]
+    accepted = next((i for i in range(k) if not kept[i]), k)
+    last = 2 * k + accepted if accepted < k else 3 * k  # the replacement or the bonus
+    return proposed[:accepted] + [read[last]], accepted, ids[last:last + 1]

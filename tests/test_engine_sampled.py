@@ -132,3 +132,65 @@ def test_mtp_off_sampled_tokens_equal_comfy_loop(tmp_path, rng):
     assert comfy_loop(dict(params, repetition_penalty=1.0, presence_penalty=0.0)) != want
     res = generate(model, prompt, do_sample=True, seed=11, max_length=n, mtp="off", stop_tokens=[], **params)
     assert res.tokens == want
+
+
+@pytest.mark.parametrize("reject_at", [None, 1])
+def test_sampled_accept_keeps_drafts_and_draws_the_right_row(rng, reject_at):
+    """``speculative.accept``, sampled, k = 3 point-mass drafts: drafts of target probability 1 are
+    kept; all kept, the bonus token follows the verify's last row; a draft of probability 0 at
+    row ``reject_at`` is replaced from that row. The returned device id is the last new token."""
+    from qwen35_fast.engine.sampling import Sampler, SamplingParams
+    from qwen35_fast.engine.speculative import accept
+
+    v, k, runs = 6, 3, 3000
+    params = SamplingParams(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    drafts = torch.tensor([2, 4, 1])
+    logits = torch.full((k + 1, v), -1e4)
+    logits[torch.arange(k), drafts] = 0.0  # p(draft) = 1 on every draft row
+    last = k if reject_at is None else reject_at
+    logits[last] = torch.randn(v, generator=rng) * 1.5
+    if reject_at is not None:
+        logits[last, drafts[last]] = -1e4  # p(draft) = 0: always replaced
+    want = torch.softmax(logits[last].double(), dim=-1)  # no penalties or filters: a plain softmax
+    counts = torch.zeros(v, dtype=torch.float64)
+    for seed in range(runs):
+        sampler = Sampler(params, seed=seed, stop_tokens=[], min_tokens=0, initial_tokens=[], device="cpu",
+                          mtp_draft="argmax")
+        new, accepted, pending = accept(sampler, logits, drafts, [None] * k)
+        assert accepted == last and new[:last] == drafts[:last].tolist() and len(new) == last + 1
+        assert pending.tolist() == [new[-1]]
+        counts[new[-1]] += 1
+    assert float(counts[want == 0].sum()) == 0
+    p = chi2_pvalue(counts, want)
+    assert p > P_FAIL, f"chi-square p={p:.3g}: counts {counts.tolist()} vs probs {want.tolist()}"
+
+
+@pytest.mark.parametrize("draft", ["argmax", "sample"])
+def test_sampled_accept_reads_the_device_once(monkeypatch, rng, draft):
+    """A sampled verify step with the enhancer's settings reads from the device once (every
+    draft's decision, replacement and the bonus come back together): each read waits for the
+    GPU, and the loop runs ahead of it."""
+    from qwen35_fast.engine.sampling import Sampler, SamplingParams
+    from qwen35_fast.engine.speculative import accept
+
+    reads = []
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__", "__index__"):
+        def counted(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **kw):
+            reads.append(_name)
+            return _orig(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    params = SamplingParams(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5)
+    v, k = 512, 3
+    seen = set()
+    for seed in range(40):
+        sampler = Sampler(params, seed=seed, stop_tokens=[1], min_tokens=0, initial_tokens=[3], device="cpu",
+                          mtp_draft=draft)
+        sampler.accept([5])
+        logits = torch.randn(k + 1, v, generator=rng) * 2
+        drafts = torch.tensor([7, 8, 9])
+        logits[torch.arange(k), drafts] += 7.0  # likely drafts: kept as well as rejected
+        qs = [torch.softmax(torch.randn(v, generator=rng), -1) for _ in range(k)] if draft == "sample" else [None] * k
+        reads.clear()
+        seen.add(accept(sampler, logits, drafts, qs)[1])
+        assert reads == ["tolist"], reads
+    assert 0 in seen and k in seen, seen  # rejections and a bonus token both came up

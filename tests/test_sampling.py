@@ -21,6 +21,7 @@ from qwen35_fast.engine.sampling import (
     residual_distribution,
     sample,
     speculative_accept,
+    speculative_accept_rows,
     target_candidates,
     target_probs,
 )
@@ -457,6 +458,39 @@ def test_speculative_accept_empirical_point_mass(rng):
         assert pv > ALPHA, f"p={p.tolist()} d={d} counts={counts.tolist()} pvalue={pv:.3g}"
 
 
+@pytest.mark.parametrize("sampled_drafts", [True, False], ids=["draft-dist", "point-mass"])
+def test_speculative_accept_rows_each_row_follows_its_target(rng, sampled_drafts):
+    """A verify step's k = 3 drafts judged at once: each row's kept token (its draft, or its
+    replacement) follows that row's own target distribution, and a replacement is never its draft."""
+    vocab, k = 6, 3
+    base = int(torch.randint(2**40, (1,), generator=rng))
+    p = torch.stack([_random_dist(rng, vocab, zeros) for zeros in (0, 2, 1)]).float()
+    q = torch.stack([_random_dist(rng, vocab) for _ in range(k)]).float() if sampled_drafts else None
+    fixed = torch.tensor([int(p[0].argmin()), int(p[1].argmax()), int(p[2].argmin())])
+    counts = torch.zeros(k, vocab, dtype=torch.float64)
+    trials = TRIALS // 2
+    drafts_all = (torch.stack([torch.multinomial(q[i], trials, replacement=True, generator=rng) for i in range(k)], 1)
+                  if sampled_drafts else fixed.expand(trials, k))
+    for t in range(trials):
+        drafts = drafts_all[t].contiguous()
+        keep, replacement = speculative_accept_rows(p, drafts, torch.Generator().manual_seed(base + t), q)
+        for i in range(k):
+            d, r = int(drafts[i]), int(replacement[i])
+            assert keep[i] or r != d
+            counts[i, d if keep[i] else r] += 1
+    for i in range(k):
+        pv = _chi_square_pvalue(counts[i], p[i].double())
+        assert pv > ALPHA, f"row {i}: p={p[i].tolist()} counts={counts[i].tolist()} pvalue={pv:.3g}"
+
+
+def test_speculative_accept_rows_rejects_bad_shapes():
+    p = torch.full((2, 4), 0.25)
+    with pytest.raises(ValueError, match=r"probs \[k, V\] and drafts \[k\]"):
+        speculative_accept_rows(p, torch.tensor([0, 1, 2]), None)
+    with pytest.raises(ValueError, match="must match"):
+        speculative_accept_rows(p, torch.tensor([0, 1]), None, torch.full((2, 5), 0.2))
+
+
 # ------------------------------------------------------------------------------------------
 # The draw itself: same seed, same token as ComfyUI's sample_token
 # ------------------------------------------------------------------------------------------
@@ -572,15 +606,24 @@ def test_multinomial_one_is_torch_multinomial(device, test_seed):
 @pytest.mark.gpu
 def test_device_draws_never_sync_with_the_host():
     """What the decode loop runs per token while the GPU works ahead (``draw_async``, ``note``,
-    ``accept``, verify rows' ``seen_rows``), with the enhancer's sampling settings: no operation
-    that waits for the GPU (torch's sync debug mode raises on one)."""
+    ``accept``, verify rows' ``seen_rows``, a verify step's acceptance draws), with the enhancer's
+    sampling settings: no operation that waits for the GPU (torch's sync debug mode raises on one)."""
     dev = torch.device("cuda")
     params = SamplingParams(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5)
     s = Sampler(params, seed=0, stop_tokens=[1], min_tokens=0, initial_tokens=[3], device=dev, mtp_draft="argmax")
     s.accept([5])
     logits = torch.randn(1, 4096, device=dev) * 4
+    probs = torch.softmax(torch.randn(3, 4096, device=dev), dim=-1)
+    drafts = torch.tensor([3, 4, 5], device=dev)
+
+    def verify_draws():  # a sampled verify step's draws (``speculative.accept`` reads them once)
+        speculative_accept_rows(probs, drafts, s.generator, probs.flip(1))
+        speculative_accept_rows(probs, drafts, s.generator)
+        sample(probs[:1], s.generator, top_k=20)
+
     t = s.draw_async(s.mask(logits, 1))  # warm-up: pinned blocks, kernels
     s.note(t)
+    verify_draws()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -588,6 +631,7 @@ def test_device_draws_never_sync_with_the_host():
         s.note(t)
         s.seen_rows(torch.cat([t, t]), 3, logits.shape[1])
         s.accept([7])
+        verify_draws()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
