@@ -136,21 +136,20 @@ class DeltaNetState:
         self._states: list[torch.Tensor] | None = None
         self._window: torch.Tensor | None = None
         self._rows = 0
-        self._in_place = False
 
     @property
     def staged(self) -> int:
         return self._rows
 
-    def stage(self, states: list[torch.Tensor], window: torch.Tensor, rows: int, *, in_place: bool = False) -> None:
+    def stage(self, states: list[torch.Tensor], window: torch.Tensor, rows: int) -> None:
         """Record the outcome of ``rows`` new rows without applying it.
 
         ``states``: the recurrent state after each row (``len == rows``), or only the final one
         (``len == 1``; then only ``commit(rows)`` or ``commit(0)`` are possible). ``window``: the conv
         inputs ``[B,conv_dim,K-1+rows]`` (old window followed by the new rows). With only the final
         state, only the window's last K-1 columns are kept (a copy: a long prompt's whole window is
-        not held until the commit). ``in_place``: the last of ``states`` is ``recurrent`` itself,
-        already overwritten (so ``commit(0)`` is refused).
+        not held until the commit). A last state that is ``recurrent`` itself was written over it
+        in place (the fused step), so ``commit(0)`` is refused.
         """
         if self._rows:
             raise Qwen35Error(f"DeltaNetState.stage: {self._rows} staged rows not committed")
@@ -159,7 +158,7 @@ class DeltaNetState:
                               f"columns do not describe {rows} rows")
         if len(states) == 1 and rows > 1:
             window = window[..., rows:].clone()
-        self._states, self._window, self._rows, self._in_place = states, window, rows, in_place
+        self._states, self._window, self._rows = states, window, rows
 
     def commit(self, n: int | None = None) -> None:
         """Apply the first n staged rows (default all); n = 0 discards them."""
@@ -167,7 +166,7 @@ class DeltaNetState:
         n = rows if n is None else n
         if not 0 <= n <= rows:
             raise Qwen35Error(f"DeltaNetState.commit: cannot keep {n} of {rows} staged rows")
-        if rows and not n and self._in_place:
+        if rows and not n and self._states[-1] is self.recurrent:
             raise Qwen35Error(_IN_PLACE_DISCARD)
         if n:
             if len(self._states) == rows:
@@ -181,13 +180,13 @@ class DeltaNetState:
                 self.recurrent.copy_(state)
             start = n - (self.kernel - 1 + rows - self._window.shape[-1])  # a kept tail starts at column rows
             self.conv.copy_(self._window[..., start:start + self.kernel - 1])
-        self._states, self._window, self._rows, self._in_place = None, None, 0, False
+        self._states, self._window, self._rows = None, None, 0
 
     def _saved(self) -> tuple:
-        return self._states, self._window, self._rows, self._in_place
+        return self._states, self._window, self._rows
 
     def _put(self, saved: tuple) -> None:
-        self._states, self._window, self._rows, self._in_place = saved
+        self._states, self._window, self._rows = saved
 
 
 @dataclass
@@ -264,7 +263,7 @@ class ModelCache:
         filled); ``commit`` then applies them with one copy for all layers."""
         deltas = self.delta_states()
         for j, st in enumerate(deltas):
-            st.stage(list(states[j].unbind(0)) + [st.recurrent], windows[j], rows, in_place=True)
+            st.stage(list(states[j].unbind(0)) + [st.recurrent], windows[j], rows)  # the last one in place
         self._staged_delta = StagedDeltaRows(states, windows, rows, [st._states for st in deltas])
 
     @property
@@ -289,7 +288,7 @@ class ModelCache:
                 self.recurrent.copy_(states[:, n - 1])
             self.conv.copy_(windows[..., n:n + self.kernel - 1])  # one copy for all layers' windows
             for st in deltas:
-                st._put((None, None, 0, False))
+                st._put((None, None, 0))
         for layer in self.layers:
             if isinstance(layer, KVCache) or layer.staged:
                 layer.commit(n)
@@ -339,7 +338,7 @@ class ModelCache:
             self._staged_delta = None
         for st in self._part(part):
             if isinstance(st, DeltaNetState):
-                st._put((None, None, 0, False))
+                st._put((None, None, 0))
             elif st.staged:
                 if lengths_moved:
                     st.length.sub_(st.staged)

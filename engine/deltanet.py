@@ -98,7 +98,8 @@ def chunked_rows(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64):
     strict = decay.masked_fill(torch.eye(chunk, dtype=torch.bool, device=q.device), 0.0)
     system = (kb @ kc.transpose(-1, -2)) * strict + torch.eye(chunk, dtype=q.dtype, device=q.device)
     # One solve for both right-hand sides: sol = [U_base | W], (I + L) sol = [beta*v | beta*k*e^G].
-    rhs = torch.cat([vc * bc.unsqueeze(-1), kb * gcum.exp().unsqueeze(-1)], dim=-1)
+    exp_g = gcum.exp().unsqueeze(-1)  # e^G [B,H,N,C,1]
+    rhs = torch.cat([vc * bc.unsqueeze(-1), kb * exp_g], dim=-1)
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B,H,N,C,Dv+Dk]
     qk = (qc @ kc.transpose(-1, -2)) * decay
     k_tail = kc * (gcum[..., -1:] - gcum).exp().unsqueeze(-1)
@@ -107,7 +108,7 @@ def chunked_rows(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64):
     # only S0 of each chunk is sequential (one batched multiply-add per chunk).
     qk_sol = qk @ sol
     tail_sol = k_tail.transpose(-1, -2) @ sol  # [B,H,N,Dk,Dv+Dk] = [B | k_tail^T W]
-    p_mat = qc * gcum.exp().unsqueeze(-1) - qk_sol[..., dv:]
+    p_mat = qc * exp_g - qk_sol[..., dv:]
     eye_k = torch.eye(dk, dtype=q.dtype, device=q.device)
     a_mat = gcum[..., -1, None, None].exp() * eye_k - tail_sol[..., dv:]  # [B,H,N,Dk,Dk]
     a_seq = a_mat.flatten(0, 1).transpose(0, 1)  # [N, B*H, Dk, Dk] (views)

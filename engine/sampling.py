@@ -270,41 +270,6 @@ def multinomial_one(probs: torch.Tensor, generator: torch.Generator | None) -> t
     return torch.argmax(q, dim=-1, keepdim=True)
 
 
-def acceptance_probability(probs_target: torch.Tensor, draft_token: int,
-                           probs_draft: torch.Tensor | None = None) -> float:
-    """Chance of keeping ``draft_token``: ``p(d)`` for a point-mass draft, else ``min(1, p(d)/q(d))``.
-
-    probs ``[V]``; a draft with ``q(d) == 0`` is accepted iff ``p(d) > 0``.
-    """
-    p_d = float(probs_target[draft_token])
-    if probs_draft is None:
-        return min(1.0, max(0.0, p_d))
-    q_d = float(probs_draft[draft_token])
-    if q_d <= 0.0:
-        return 1.0 if p_d > 0.0 else 0.0
-    return min(1.0, max(0.0, p_d / q_d))
-
-
-def residual_distribution(probs_target: torch.Tensor, draft_token: int,
-                          probs_draft: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Where a rejected draft resamples from: float64 ``[V]`` summing to 1, or None if it is empty.
-
-    Point-mass draft: ``p`` with ``draft_token`` removed. Otherwise: ``max(0, p - q)``. Both are
-    renormalised; None means the residual has no mass (then the draft is the only possible
-    outcome and must be kept).
-    """
-    p = probs_target.to(torch.float64)
-    if probs_draft is None:
-        res = p.clone()
-        res[draft_token] = 0.0
-    else:
-        res = (p - probs_draft.to(torch.float64)).clamp_(min=0.0)
-    total = float(res.sum())
-    if not total > 0.0:
-        return None
-    return res / total
-
-
 def speculative_accept(probs_target: torch.Tensor, draft_token: int, generator: torch.Generator | None,
                        probs_draft: torch.Tensor | None = None) -> tuple[bool, int | None]:
     """Accept or replace one draft token so the kept token is distributed exactly as ``probs_target``.
@@ -339,9 +304,10 @@ def speculative_accept_rows(probs: torch.Tensor, drafts: torch.Tensor, generator
 
     probs float ``[k,V]`` (the target's distribution at each draft's row), drafts int64 ``[k]``
     (in ``[0, V)``), probs_draft float ``[k,V]`` or None (point-mass drafts). Returns ``(keep bool
-    [k], replacement int64 [k])``: row i keeps its draft with probability ``acceptance_probability``
-    (always when its residual is empty), else its token is ``replacement[i]``, drawn from
-    ``residual_distribution`` (never the draft). Every row draws its own uniform and its own
+    [k], replacement int64 [k])``: row i keeps its draft d with probability ``p(d)`` (point mass)
+    or ``min(1, p(d)/q(d))`` (a draft with ``q(d) == 0``: iff ``p(d) > 0``), and always when its
+    residual is empty; else its token is ``replacement[i]``, drawn from the residual: ``p`` with d
+    removed (point mass) or ``max(0, p - q)`` (never the draft). Every row draws its own uniform and its own
     residual sample from ``generator`` (on probs' device), so the rows are independent and a caller
     may stop at the first rejected one and drop the rest."""
     if probs.dim() != 2 or drafts.shape != (probs.shape[0],):

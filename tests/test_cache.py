@@ -60,6 +60,29 @@ def test_kv_errors(rng):
         kv.write(*_rows(rng, 1, hkv=3))
 
 
+def test_deltanet_state_staged_in_place(rng):
+    """A last staged state that is ``recurrent`` itself (the fused step wrote it there): keeping
+    every row copies nothing, an earlier row is copied back, and dropping them all is refused with
+    nothing applied (the overwritten state cannot be restored)."""
+    st = DeltaNetState(1, 2, 4, 3, conv_dim=5, kernel=4, dtype=torch.float32, device="cpu")
+    window = torch.randn(1, 5, 3 + 3, generator=rng)
+    earlier = [torch.randn(1, 2, 4, 3, generator=rng) for _ in range(2)]
+    last = torch.randn(1, 2, 4, 3, generator=rng)
+    st.recurrent.copy_(last)  # what the step wrote over the committed state
+    st.stage(earlier + [st.recurrent], window, 3)
+    conv = st.conv.clone()
+    with pytest.raises(Qwen35Error, match="commit\\(0\\) after a fused step"):
+        st.commit(0)
+    assert st.staged == 3 and torch.equal(st.conv, conv)  # nothing applied, still staged
+    st.commit(3)
+    torch.testing.assert_close(st.recurrent, last, rtol=0, atol=0)
+    torch.testing.assert_close(st.conv, window[..., 3:6], rtol=0, atol=0)
+    st.stage(earlier + [st.recurrent], window, 3)
+    st.commit(1)
+    torch.testing.assert_close(st.recurrent, earlier[0], rtol=0, atol=0)
+    torch.testing.assert_close(st.conv, window[..., 1:4], rtol=0, atol=0)
+
+
 def test_deltanet_state_commit_picks_row(rng):
     st = DeltaNetState(1, 2, 4, 3, conv_dim=5, kernel=4, dtype=torch.float32, device="cpu")
     states = [torch.randn(1, 2, 4, 3, generator=rng) for _ in range(3)]

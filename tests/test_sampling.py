@@ -17,14 +17,14 @@ import torch
 from qwen35_fast.engine.sampling import (
     Sampler,
     SamplingParams,
-    acceptance_probability,
-    residual_distribution,
     sample,
     speculative_accept,
     speculative_accept_rows,
     target_candidates,
     target_probs,
 )
+
+from tests.oracles.speculative_rule import acceptance_probability, residual_distribution
 
 AMBIGUOUS = 1e-5  # relative margin under which float32 and float64 may legitimately disagree
 
