@@ -33,8 +33,11 @@ progress-bar updates (both core and the pack report every token; a generation's 
 capture its CUDA graphs, about 0.1-0.5 s once per generation); what the user waits for is there
 too: first token s (the call to the first token, prefill included) and end-to-end tok/s (tokens /
 the call to the last token, prefill and captures included); a warm-up generation first,
-then rows in interleaved order per max_length. Floor = bytes one decode step reads (every weight
-but the embedding table) / measured copy bandwidth. Peak VRAM = torch's max allocated per row.
+then rows in interleaved order per max_length. The warm-ups' wall times are kept as ``first-use``
+rows (MTP off, and forced MTP-3 when ``--kinds`` names forced3; 32 tokens each): what a first
+generation of the process costs, Triton's compiles included unless its disk cache has the kernels.
+Floor = bytes one decode step reads (every weight but the embedding table) / measured copy
+bandwidth. Peak VRAM = torch's max allocated per row.
 ``--memory``: at the first max_length, what the core and pack rows themselves allocate at their
 peak, by call site (``benchmarks/memory_peak.py``). ``--profile``: the kernels of an eager 1-row
 step and the host's Python functions per token of a generation (cProfile, after a warm-up
@@ -274,12 +277,25 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                 print(f"      {a['bytes'] / 2**20:9.1f} MiB in {a['count']:4d}  {' < '.join(a['where'][:3])}",
                       flush=True)
 
+    def first_use(kind, last):
+        rows.append({"format": fmt, "kind": kind, "tokens": 32, **last})
+        print(f"{fmt:>5} {kind}: 32 tokens in {last['wall_s']:.2f} s (kernels compiled unless Triton's cache "
+              f"had them, graphs captured)", flush=True)
+
     greedy = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
                   presence_penalty=0.0)
-    # Warm-up (kernels compiled, graphs captured once, the model loaded on the GPU).
+    # Warm-up (kernels compiled, graphs captured once, the model loaded on the GPU). Its wall time
+    # is what a first generation costs (Triton compiles on first use unless its disk cache has them).
     clock.run(lambda: patched.generate(tokens, max_length=64, **greedy), 32)
+    first_use("first-use", clock.last)
     target = bridge.find_qwen35(patched)
     embeds, _ = bridge.prompt_embeds(target, tokens, comfy.model_management.get_torch_device())
+    if "forced3" in args.kinds:  # the first MTP generation compiles the 4-row kernels
+        drafts = forced_drafts(target, embeds, 40, greedy)
+        clock.run(lambda: bridge.run_engine(target, embeds, max_length=64, mtp=3,
+                                            mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0,
+                                            **greedy), 32)
+        first_use("first-use forced3", clock.last)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the pack's execution dtype
     hooks = dict(weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS)  # the patch's binding hooks
     if args.profile:
@@ -455,9 +471,13 @@ def markdown(run: dict) -> str:
              "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB "
              "| first token s | end-to-end tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
+    first = []
     for r in run["rows"]:
         if r["kind"] in ("profile", "prefill_profile") or r["kind"].startswith(("timeline", "host_profile")):
             # lists, not timed rows
+            continue
+        if r["kind"].startswith("first-use"):  # a warm-up's wall time, below the table
+            first.append(f"{r['format']} {r['kind']}: {r['tokens']} tokens in {r['wall_s']:.2f} s")
             continue
         # The floor is one step's weight read; forced MTP rows make 4 tokens a step (plus 3 head steps).
         pct = "per step" if "forced" in r["kind"] else f"{r['floor_pct']:.0f}%"
@@ -465,6 +485,8 @@ def markdown(run: dict) -> str:
                 else "- | -")  # runs saved before these were recorded
         lines.append(f"| {r['format']} | {r['kind']} | {r['max_length']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} "
                      f"| {r['floor_ms']:.2f} ({pct}) | {r['peak_gb']:.2f} | {wait} |")
+    if first:
+        lines += ["", "First generations of the process (the warm-ups): " + "; ".join(first) + "."]
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, triton_device_reason
+from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 from .pdl import enter, launch_args, trigger, wait
 
@@ -49,11 +49,40 @@ MAX_GROUP = 4
 
 
 @triton.jit
+def _e4m3_bf16(w):
+    """e4m3fn bytes (uint8) -> bf16, four at a time with integer ops and one packed multiply:
+    (sign << 15) | (magnitude << 4) is the bf16 of the value times 2^-120 for every finite byte,
+    subnormals included (both formats keep the exponent field's offset), then times 2^120 (exact).
+    NaN bytes (0x7F, 0xFF) give +-480. Triton's own conversion goes through fp16, two converts
+    per value at the conversion units' rate."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, u0, u1, k, z;
+        mov.b32 k, 0x7B807B80;
+        mov.b32 z, 0x80008000;
+        prmt.b32 t0, $2, 0, 0x1404;
+        prmt.b32 t1, $2, 0, 0x3424;
+        and.b32 u0, t0, 0x7F007F00;
+        and.b32 u1, t1, 0x7F007F00;
+        shr.b32 u0, u0, 4;
+        shr.b32 u1, u1, 4;
+        and.b32 t0, t0, 0x80008000;
+        and.b32 t1, t1, 0x80008000;
+        or.b32 t0, t0, u0;
+        or.b32 t1, t1, u1;
+        fma.rn.bf16x2 $0, t0, k, z;
+        fma.rn.bf16x2 $1, t1, k, z;
+        }""",
+        constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: tl.constexpr,
           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           EVEN_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
-    # FP8: 0 (int8 or x's dtype), 1 (e4m3fn bytes), 2 (e5m2 bytes).
+    # FP8: 0 (int8 or x's dtype), 1 (e4m3fn bytes), 2 (e5m2 bytes), 3 (e4m3fn bytes, bf16 x, on a
+    # GPU: ``_e4m3_bf16``).
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -79,7 +108,9 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
             w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
         x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
         if QUANT:  # int8 or fp8 -> x's dtype, exact
-            if FP8 == 1:
+            if FP8 == 3:
+                w = _e4m3_bf16(w)
+            elif FP8 == 1:
                 w = w.to(tl.float8e4nv, bitcast=True)
             elif FP8 == 2:
                 w = w.to(tl.float8e5, bitcast=True)
@@ -229,6 +260,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         raise ValueError(f"gemv_group: 1..{MAX_GROUP} weights, got {len(weights)}")
     quant = weights[0].dtype in QUANT_DTYPES
     fp8 = FP8_DTYPES.index(weights[0].dtype) + 1 if weights[0].dtype in FP8_DTYPES else 0
+    if fp8 == 1 and x.dtype == torch.bfloat16 and x.device.type == "cuda" and not interpreting():
+        fp8 = 3  # e4m3 -> bf16 by integer ops (``_e4m3_bf16``; inline PTX, not in the interpreter)
     if scales is not None and len(scales) != len(weights):
         raise ValueError(f"gemv_group: {len(scales)} scales for {len(weights)} weights")
     k = weights[0].shape[-1]

@@ -91,6 +91,18 @@ def test_fp8_needs_compute_capability_89(monkeypatch):
     assert "NVIDIA" in capabilities.fp8_reason("cuda")
 
 
+def test_e4m3_bit_placement_is_exact():
+    """The integer rewrite ``_e4m3_bf16`` does on the GPU (bf16 bits (sign << 15) | (magnitude << 4),
+    then times 2^120 in bf16), done here in torch for every byte: each finite e4m3 value exactly."""
+    b = torch.arange(256, dtype=torch.int32)
+    bf = (((b & 0x80) << 8) | ((b & 0x7F) << 4)).to(torch.int16).view(torch.bfloat16)
+    got = (bf * torch.tensor(2.0 ** 120, dtype=torch.bfloat16)).double()
+    want = b.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite]) and torch.equal(got[~finite].abs(), torch.full((2,), 480.0,
+                                                                                                  dtype=torch.float64))
+
+
 @gpu
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("rows", [1, 4])
