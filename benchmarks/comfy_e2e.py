@@ -25,8 +25,9 @@ the decoder layers and ``lm_head``; embeddings, norms, conv and the MTP head sta
 
 The weights are random but *decisive* (``benchmarks.decode_e2e.build_model``): greedy decoding
 repeats the last token with a large logit margin, so 1-row and 4-row steps cannot round apart and
-forced acceptance works; every weight is still read in full at every step. The prompt is ~960
-tokens of text through the CLIP's tokenizer.
+forced acceptance works; every weight is still read in full at every step. The prompt is 960 words
+of text through the CLIP's tokenizer (2472 tokens; each row records ``prompt_tokens``; the
+standalone row gets as many).
 
 Timing: decode tok/s = (tokens - 8) / (time of the last token - time of the 8th), from ComfyUI's
 progress-bar updates (both core and the pack report every token; a generation's first steps
@@ -261,9 +262,10 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     tokens = prompt_tokens(clip, args.prompt)
     patched = patch_clip(clip, mtp="off")
     rows = []
+    meta = {}  # the prompt's token count, once its embeddings exist
 
     def row(kind, max_length, tok_s, **extra):
-        r = {"format": fmt, "kind": kind, "max_length": max_length, "tok_s": tok_s,
+        r = {"format": fmt, "kind": kind, "max_length": max_length, "tok_s": tok_s, **meta,
              "ms_per_token": 1e3 / tok_s, "peak_gb": peak_gb(), "floor_ms": floor_ms,
              "floor_pct": 100 * floor_ms * tok_s / 1e3, **clock.last, **extra}
         rows.append(r)
@@ -290,6 +292,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     first_use("first-use", clock.last)
     target = bridge.find_qwen35(patched)
     embeds, _ = bridge.prompt_embeds(target, tokens, comfy.model_management.get_torch_device())
+    meta["prompt_tokens"] = n_prompt = int(embeds.shape[1])
     if "forced3" in args.kinds:  # the first MTP generation compiles the 4-row kernels
         drafts = forced_drafts(target, embeds, 40, greedy)
         clock.run(lambda: bridge.run_engine(target, embeds, max_length=64, mtp=3,
@@ -397,7 +400,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         from qwen35_fast.engine import load_standalone
 
         model = load_standalone(str(path), device=comfy.model_management.get_torch_device(), dtype=torch.bfloat16)
-        emb = embeds_like(model, args.prompt)
+        emb = embeds_like(model, n_prompt)  # as long as the ComfyUI rows' prompt
         for max_length in args.max_lengths[:1]:
             reset_peak()
 
@@ -466,8 +469,10 @@ def embeds_like(model, n: int):
 
 def markdown(run: dict) -> str:
     """README table of one saved run."""
+    counts = sorted({r["prompt_tokens"] for r in run["rows"] if "prompt_tokens" in r})
+    n_tokens = f" ({' / '.join(map(str, counts))} tokens)" if counts else ""  # runs saved before: words only
     lines = [f"{run['device']}, torch {run['torch']}, ComfyUI {run['comfyui']}; copy bandwidth "
-             f"{run['copy_bw_Bps'] / 1e12:.2f} TB/s; prompt {run['prompt']} tokens, greedy",
+             f"{run['copy_bw_Bps'] / 1e12:.2f} TB/s; prompt of {run['prompt']} words{n_tokens}, greedy",
              "", "| file | path | max_length | tok/s | ms/token | floor ms (% of floor) | peak VRAM GB "
              "| first token s | end-to-end tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -499,7 +504,7 @@ def main() -> None:
     ap.add_argument("--core-max-lengths", nargs="+", type=int, default=[4096, 24000])
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--core-tokens", type=int, default=100)
-    ap.add_argument("--prompt", type=int, default=960, help="prompt words (about one token each)")
+    ap.add_argument("--prompt", type=int, default=960, help="prompt words (about 2.6 tokens each: 960 -> 2472 tokens)")
     ap.add_argument("--size", choices=["9b", "0.8b"], default="9b")
     ap.add_argument("--dir", default="/dev/shm/qwen35_comfy_e2e")
     ap.add_argument("--dynamic", action="store_true", help="load through DynamicVRAM (needs comfy-aimdo)")

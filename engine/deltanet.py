@@ -90,29 +90,38 @@ def chunked_rows(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64):
     qc, kc, vc = split(q, True), split(k, True), split(v, True)
     gc, bc = split(g, False), split(beta, False)
     n = qc.shape[2]
+    # Each temporary is dropped (or overwritten in place) once read: they are [B,H,N,C,*] float32,
+    # a few times the size of q, and a long prompt's prefill holds them all layer by layer.
     gcum = gc.cumsum(dim=-1)  # [B,H,N,C]
-    diff = gcum.unsqueeze(-1) - gcum.unsqueeze(-2)  # [.., t, s] = G_t - G_s
     lower_incl = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = diff.masked_fill(~lower_incl, float("-inf")).exp()  # D, zero above the diagonal
+    decay = (gcum.unsqueeze(-1) - gcum.unsqueeze(-2)).masked_fill_(~lower_incl, float("-inf")).exp_()
+    del gc, lower_incl  # decay: D[t,s] = e^(G_t - G_s), zero above the diagonal
     kb = kc * bc.unsqueeze(-1)
-    strict = decay.masked_fill(torch.eye(chunk, dtype=torch.bool, device=q.device), 0.0)
-    system = (kb @ kc.transpose(-1, -2)) * strict + torch.eye(chunk, dtype=q.dtype, device=q.device)
+    # I + L: the solve reads only the strict lower part (unitriangular), so L = (kb k^T) * D as is.
+    system = (kb @ kc.transpose(-1, -2)).mul_(decay)
     # One solve for both right-hand sides: sol = [U_base | W], (I + L) sol = [beta*v | beta*k*e^G].
     exp_g = gcum.exp().unsqueeze(-1)  # e^G [B,H,N,C,1]
     rhs = torch.cat([vc * bc.unsqueeze(-1), kb * exp_g], dim=-1)
+    del vc, bc, kb
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B,H,N,C,Dv+Dk]
-    qk = (qc @ kc.transpose(-1, -2)) * decay
-    k_tail = kc * (gcum[..., -1:] - gcum).exp().unsqueeze(-1)
+    del system, rhs
+    qk = (qc @ kc.transpose(-1, -2)).mul_(decay)
+    del decay
+    k_tail = (kc * (gcum[..., -1:] - gcum).exp().unsqueeze(-1)).transpose(-1, -2)  # [B,H,N,Dk,C]
+    del kc
     # With U = U_base - W S0: O = (q e^G - qk W) S0 + qk U_base and S = A S0 + B, where
     # A = e^(G_last) I - k_tail^T W and B = k_tail^T U_base. All chunks' A, B, O-terms at once;
     # only S0 of each chunk is sequential (one batched multiply-add per chunk).
     qk_sol = qk @ sol
-    tail_sol = k_tail.transpose(-1, -2) @ sol  # [B,H,N,Dk,Dv+Dk] = [B | k_tail^T W]
-    p_mat = qc * exp_g - qk_sol[..., dv:]
-    eye_k = torch.eye(dk, dtype=q.dtype, device=q.device)
-    a_mat = gcum[..., -1, None, None].exp() * eye_k - tail_sol[..., dv:]  # [B,H,N,Dk,Dk]
+    del qk
+    b_mat = k_tail @ sol[..., :dv]  # [B,H,N,Dk,Dv]
+    a_mat = (k_tail @ sol[..., dv:]).neg_()  # [B,H,N,Dk,Dk]
+    a_mat.diagonal(dim1=-2, dim2=-1).add_(gcum[..., -1:].exp())
+    del k_tail, sol
+    p_mat = (qc * exp_g).sub_(qk_sol[..., dv:])
+    del qc, exp_g
     a_seq = a_mat.flatten(0, 1).transpose(0, 1)  # [N, B*H, Dk, Dk] (views)
-    b_seq = tail_sol[..., :dv].flatten(0, 1).transpose(0, 1)  # [N, B*H, Dk, Dv]
+    b_seq = b_mat.flatten(0, 1).transpose(0, 1)  # [N, B*H, Dk, Dv]
     # starts[i]: the state entering chunk i, [N, B*H, Dk, Dv] so each is contiguous.
     starts = torch.empty(n, b * h, dk, dv, dtype=q.dtype, device=q.device)
     starts[0] = state.reshape(b * h, dk, dv)
@@ -120,6 +129,7 @@ def chunked_rows(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64):
     for i in range(n - 1):  # in place: one batched GEMM (beta = 1) per chunk
         starts[i + 1].baddbmm_(a_seq[i], starts[i])
     s = torch.baddbmm(b_seq[-1], a_seq[-1], starts[-1]).view(b, h, dk, dv)
-    out = p_mat @ starts.view(n, b, h, dk, dv).permute(1, 2, 0, 3, 4) + qk_sol[..., :dv]  # [B,H,N,C,Dv]
+    del a_mat, b_mat, a_seq, b_seq
+    out = (p_mat @ starts.view(n, b, h, dk, dv).permute(1, 2, 0, 3, 4)).add_(qk_sol[..., :dv])  # [B,H,N,C,Dv]
     out = out.reshape(b, h, n * chunk, dv)[:, :, :t].transpose(1, 2)
     return out, s

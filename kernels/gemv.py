@@ -11,8 +11,8 @@ Weights are bf16/fp16 (x's dtype) or int8 with a float32 scale per output row or
 scale): weight-only quantization, the int8 or fp8 values are widened to x's dtype in registers
 (exact: |q| <= 128 and every fp8 value fit bf16, fp16 and fp32), multiplied on the tensor cores
 with float32 accumulation, and the scale is applied to the accumulated row. Bytes read: the 8-bit
-weights once (fp8 is loaded as bytes and bitcast; ``capabilities.fp8_reason`` says where).
-``hadamard_rotate`` gives x the ConvRot rotation int8 ConvRot weights expect. With programmatic
+weights once (fp8 is loaded as bytes: e4m3 with bf16 x on a GPU is widened by ``_e4m3_bf16``,
+else bitcast; ``capabilities.fp8_reason`` says where). ``hadamard_rotate`` gives x the ConvRot rotation int8 ConvRot weights expect. With programmatic
 dependent launch (Hopper+, ``kernels/pdl.py``) a product is scheduled while its
 input's producer finishes and waits for it inside the kernel.
 
