@@ -196,6 +196,17 @@ def step_times(model, prompt, *, attention: str, fused: bool, rows=(1, 4), iters
     return out
 
 
+def _tally(events, device_type: str, time_of) -> dict[str, list]:
+    """Profiler events of one device type (``"CUDA"`` / ``"CPU"``) by name: ``[count, time_of sum]``."""
+    out: dict[str, list] = {}
+    for ev in events:
+        if ev.device_type.name == device_type:
+            k = out.setdefault(ev.name, [0, 0.0])
+            k[0] += 1
+            k[1] += time_of(ev)
+    return out
+
+
 @torch.no_grad()
 def profile_steps(model, prompt, *, attention: str, fused, steps: int = 5, top: int = 12, weight_cast=None,
                   weights=None) -> dict:
@@ -222,12 +233,9 @@ def profile_steps(model, prompt, *, attention: str, fused, steps: int = 5, top: 
         for _i in range(steps):
             step()
         sync()
-    kernels = {}
-    for ev in prof.events():
-        if ev.device_type.name == ("CUDA" if device.type == "cuda" else "CPU"):
-            k = kernels.setdefault(ev.name, [0, 0.0])
-            k[0] += 1
-            k[1] += ev.device_time if device.type == "cuda" else ev.cpu_time
+    cuda = device.type == "cuda"
+    kernels = _tally(prof.events(), "CUDA" if cuda else "CPU",
+                     (lambda ev: ev.device_time) if cuda else (lambda ev: ev.cpu_time))
     launches = sum(c for c, _t in kernels.values()) / steps
     total_us = sum(tt for _c, tt in kernels.values()) / steps
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
@@ -276,16 +284,9 @@ def profile_prefill(model, prompt, *, attention: str, fused, repeats: int = 3, t
     with profile(activities=acts) as prof:
         prefill(r)
         sync()
-    kernels, ops = {}, {}
-    for ev in prof.events():
-        if cuda and ev.device_type.name == "CUDA":
-            k = kernels.setdefault(ev.name, [0, 0.0])
-            k[0] += 1
-            k[1] += ev.device_time
-        elif ev.device_type.name == "CPU":
-            o = ops.setdefault(ev.name, [0, 0.0])
-            o[0] += 1
-            o[1] += ev.self_cpu_time_total
+    events = prof.events()
+    kernels = _tally(events, "CUDA", lambda ev: ev.device_time) if cuda else {}
+    ops = _tally(events, "CPU", lambda ev: ev.self_cpu_time_total)
 
     def ranked(d):
         by_time = sorted(d.items(), key=lambda kv: -kv[1][1])[:top]
