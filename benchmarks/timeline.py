@@ -11,7 +11,9 @@ cancel out. Per token:
   ``one_off_us`` (a graph capture, the prefill's host work) are left out of both; ``long_gaps``:
   the gaps between steps by the kernels before and after them (where the host holds the GPU up);
 - per kernel name: launches and total / mean duration (a kernel launched early under PDL counts
-  its waiting time too, so compare durations with plain launches).
+  its waiting time too, so compare durations with plain launches);
+- ``step``: one step's kernels in GPU order with their start times, to see what runs between
+  graph replays and where the step waits.
 
 CUPTI instruments every graph node, so traced steps run somewhat slower than untraced ones: read the
 split, not the absolute time.
@@ -69,11 +71,25 @@ def _stats(kernels, host_gap_us: float, one_off_us: float) -> dict:
     return {"busy": busy, "short": short, "long": long, "names": names, "where": where}
 
 
+def _one_step(kernels, marker: str = "ArgMax") -> list[dict]:
+    """The kernels between two consecutive ``marker`` kernels in the middle of a trace (MTP off: the
+    greedy draw ends each step), in GPU order: name, start after the first one's end, duration."""
+    at = [i for i, (_s, _e, name) in enumerate(kernels) if marker in name]
+    if len(at) < 3:
+        return []
+    i, j = at[len(at) // 2 - 1], at[len(at) // 2]
+    t0 = kernels[i][1]
+    return [{"kernel": name[:70], "start_us": round(s - t0, 2), "us": round(e - s, 2)}
+            for s, e, name in kernels[i + 1:j + 1]]
+
+
 def token_timeline(generate_n, short: int = 40, long: int = 140, host_gap_us: float = 20.0,
                    one_off_us: float = 5000.0, top: int = 30) -> dict:
-    """``generate_n(n)`` runs a generation of n tokens; returns the per-token split (module docstring)."""
+    """``generate_n(n)`` runs a generation of n tokens; returns the per-token split (module docstring)
+    and ``step``: one step's kernels in order (``_one_step``)."""
     a = _stats(_kernels(lambda: generate_n(short)), host_gap_us, one_off_us)
-    b = _stats(_kernels(lambda: generate_n(long)), host_gap_us, one_off_us)
+    trace = _kernels(lambda: generate_n(long))
+    b = _stats(trace, host_gap_us, one_off_us)
     n = long - short
     per = {}
     for name, (count, total) in b["names"].items():
@@ -93,7 +109,7 @@ def token_timeline(generate_n, short: int = 40, long: int = 140, host_gap_us: fl
             "launches": sum(c for c, _t in per.values()), "kernel_us": sum(t for _c, t in per.values()),
             "host_gap_us": host_gap_us,
             "top": [{"kernel": k[:90], "per_token": c, "us_per_token": t, "mean_us": t / c if c else 0.0}
-                    for k, (c, t) in ranked[:top]], "long_gaps": gaps[:12]}
+                    for k, (c, t) in ranked[:top]], "long_gaps": gaps[:12], "step": _one_step(trace)}
 
 
 def print_timeline(label: str, t: dict) -> None:

@@ -69,9 +69,9 @@ class Runner:
         ``[B,S,H]``. ``keep_rows`` keeps the DeltaNet state after every row (needed to commit fewer
         than S rows); without it long inputs use the chunked recurrence.
         """
-        cos, sin = self.rope.tables(pos)
         if self.fused is not None and x.shape[1] <= MAX_DECODE_ROWS:
-            return self._forward_fused(x, cos, sin)
+            return self._forward_fused(x, *self._fused_tables(pos))
+        cos, sin = self.rope.tables(pos)
         for i, layer in enumerate(self.binding.layers):
             state = self.cache.layers[i]
             xn = layer.input_layernorm(x)
@@ -82,6 +82,10 @@ class Runner:
             x = x + mixed
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.binding.transformer.norm(x), x
+
+    def _fused_tables(self, pos: torch.Tensor):
+        """``Rope.tables(pos)`` in one launch (the fused path's decode rows)."""
+        return self.fused.ops.rope_tables(pos, self.rope.inv_freq, self.rope.axis)
 
     def _forward_fused(self, x: torch.Tensor, cos, sin):
         """``forward`` for S <= 8 rows through the fused kernels (same contract, rows always kept)."""
@@ -109,8 +113,7 @@ class Runner:
         cfg = self.cfg
         q, gate, lengths = self.fused.qk(prefix, attn, xn, cos, sin, cfg.head_dim, cfg.num_attention_heads,
                                          cfg.num_key_value_heads, kv)
-        o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=self.attention)
-        return self.fused.gate_out(attn.o_proj, o, gate)
+        return self.fused.attend(attn.o_proj, q, kv, lengths, gate, self.attention)
 
     def forward_logits(self, x: torch.Tensor, pos: torch.Tensor):
         """``forward`` (decode or verify rows), then the output logits of every row: ``(hidden,
@@ -131,9 +134,9 @@ class Runner:
         layer, then the head's own ``norm`` (vLLM's Qwen3.5 MTP order).
         """
         head = self.binding.mtp
-        cos, sin = self.rope.tables(pos)
         if self.fused is not None and hidden.shape[1] <= MAX_DECODE_ROWS:
             plan = self.fused
+            cos, sin = self._fused_tables(pos)
             e, _ = plan.norm("mtp.pre_fc_norm_embedding", emb)
             h, _ = plan.norm("mtp.pre_fc_norm_hidden", hidden)
             x = plan.lin(head.fc, torch.cat([e, h], dim=-1))
@@ -142,6 +145,7 @@ class Runner:
             mixed = self._attention_fused("mtp.layers.0.self_attn", layer.self_attn, xn, self.cache.mtp, cos, sin)
             xn, x = plan.norm("mtp.layers.0.post_attention_layernorm", x, mixed)
             return plan.norm("mtp.norm", x, plan.mlp("mtp", xn))[0]
+        cos, sin = self.rope.tables(pos)
         x = head.fc(torch.cat([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)], dim=-1))
         layer = head.layers[0]
         x = x + self._attention(layer.self_attn, layer.input_layernorm(x), self.cache.mtp, cos, sin)

@@ -9,6 +9,10 @@ Two launches over a fixed grid, so one CUDA graph serves every length:
    A program whose chunk is empty exits at once, so busy programs and bytes follow L, never C.
 2. ``_combine_kernel`` grid ``(B * Hq * S, D / 64)`` merges the active splits of one row by their
    log-sum-exp (all splits loaded at once, no serial chain) and writes the output in q's dtype.
+   ``triton_decode_attention_gated``'s merge (``_combine_gate_kernel``, the same grid, or one
+   program per row and head when it also rotates) also applies the attention output gate
+   ``o * sigmoid(gate)`` (and the ConvRot rotation an int8 ``o_proj`` reads), in place of
+   ``fused_ops.sigmoid_gate``'s launch. The engine uses it unrotated only (``FusedPlan.attend``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
+from .fused_ops import convrot_tile
+from .gemv import hadamard_cached
 from .pdl import launch_args, trigger, wait
 
 log = logging.getLogger(__name__)
@@ -137,6 +143,50 @@ def _combine_kernel(
     tl.store(OUT + b * so_b + h * so_h + s * so_s + offs_d, acc.to(OUT.dtype.element_ty))
 
 
+@triton.jit
+def _combine_gate_kernel(
+    OP, LSEP, GATE, OUT, H, OROT, sg_b, sg_s, sg_h, hkv,
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    # Program (row and head in out's (b, s, h) order, column block): merge the splits as
+    # _combine_kernel does (CHUNK splits per load; all of them when CHUNK == SPLIT_P2), round,
+    # gate, and with ROT also write the block rotated (BLOCK_D spans whole groups).
+    wait(PDL)  # the whole split grid has finished and its writes are visible
+    pid = tl.program_id(0)
+    hq = hkv * G
+    h = pid % hq
+    s = (pid // hq) % S
+    b = pid // (hq * S)
+    kh = h // G
+    row = (h % G) * S + s
+    base = (b * hkv + kh) * N_SPLIT
+    splits = tl.arange(0, SPLIT_P2)
+    lse = tl.load(LSEP + (base + splits) * (G * S) + row, mask=splits < N_SPLIT, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse - m_safe), 0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for c in tl.static_range(0, SPLIT_P2, CHUNK):
+        sp = c + tl.arange(0, CHUNK)
+        part = (base + sp) * (G * S) + row
+        ok = sp < N_SPLIT
+        w = tl.exp2(tl.load(LSEP + part, mask=ok, other=float("-inf")) - m_safe)
+        o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        o = tl.where((w > 0)[:, None], o, 0.0)  # stale partials of empty splits get weight 0
+        acc += tl.sum(o * w[:, None], 0)
+    DT: tl.constexpr = OUT.dtype.element_ty
+    o = (acc / tl.where(total > 0, total, 1.0)).to(DT).to(tl.float32)  # rounding point: the attention output
+    g = tl.load(GATE + b.to(tl.int64) * sg_b + s.to(tl.int64) * sg_s + h * sg_h + offs_d).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)  # rounding point: sigmoid
+    y = (o * sig).to(DT)
+    at = ((b.to(tl.int64) * S + s) * hq + h) * D + offs_d
+    tl.store(OUT + at, y)
+    if ROT > 0:
+        tl.store(OROT + at, convrot_tile(y, H, ROT, BLOCK_D, IEEE).to(DT))
+
+
 @functools.lru_cache(maxsize=None)
 def _device_limits(device_index: int) -> tuple[int, int]:
     """(SM count, shared memory a block may opt in to, in bytes)."""
@@ -173,14 +223,9 @@ def default_config(d: int, itemsize: int, block_m: int, smem_limit: int, start: 
     return {"BLOCK_N": block_n, "num_stages": stages, "num_warps": 8 if block_m >= 32 else 4}
 
 
-def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float,
-                            n_split: int | None = None, config: dict | None = None,
-                            split_only: bool = False):
-    """Split-KV decode. q ``[B,Hq,S,D]``, caches ``[B,Hkv,C,D]`` (last dim contiguous) -> ``[B,Hq,S,D]``.
-
-    No host sync; safe to capture in a CUDA graph and replay with new ``lengths`` values.
-    ``n_split``/``config`` override the launch defaults; ``split_only`` (benchmarks) skips the merge.
-    """
+def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_split: int | None,
+                config: dict | None):
+    """The split pass: ``(o_part, lse_part, n_split, merge launch keywords)``."""
     b_sz, hq, s, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -191,11 +236,8 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     key = (str(q.device), q.dtype, d, block_m)
     smem = _device_limits(q.device.index or 0)[1] if q.device.type == "cuda" else 1 << 30
     cfg = dict(default_config(d, q.element_size(), block_m, smem, _SHRUNK.get(key, 0)), **(config or {}))
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     o_part = torch.empty(b_sz * hkv * n_split * rows * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b_sz * hkv * n_split * rows, dtype=torch.float32, device=q.device)
-    out = torch.empty(b_sz, hq, s, d, dtype=q.dtype, device=q.device)
     log2e = 1.4426950408889634
     # Measured on an H200: launching the merge early saves ~0.6 us when its grid is small (16-row
     # blocks, S=1 for Qwen3.5), but its waiting programs slow the split pass for larger grids.
@@ -221,11 +263,71 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
             log.warning("decode_attention: %s; retrying with a smaller tile", exc)
             _SHRUNK[key] = nxt
             cfg = default_config(d, q.element_size(), block_m, smem, nxt)
+    return o_part, lse_part, n_split, merge_launch
+
+
+def _contiguous_last(q, k_cache, v_cache):
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    return q, k_cache, v_cache
+
+
+def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float,
+                            n_split: int | None = None, config: dict | None = None,
+                            split_only: bool = False):
+    """Split-KV decode. q ``[B,Hq,S,D]``, caches ``[B,Hkv,C,D]`` (last dim contiguous) -> ``[B,Hq,S,D]``.
+
+    No host sync; safe to capture in a CUDA graph and replay with new ``lengths`` values.
+    ``n_split``/``config`` override the launch defaults; ``split_only`` (benchmarks) skips the merge.
+    """
+    q, k_cache, v_cache = _contiguous_last(q, k_cache, v_cache)
+    o_part, lse_part, n_split, merge_launch = _split_pass(q, k_cache, v_cache, lengths, causal, scale, n_split,
+                                                          config)
     if split_only:
         return o_part, lse_part
+    b_sz, hq, s, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    out = torch.empty(b_sz, hq, s, d, dtype=q.dtype, device=q.device)
     merge_args = (o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), hkv)
     merge_meta = dict(S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
                       BLOCK_D=64, num_warps=4)
     grid = (b_sz * hq * s, d // 64)
     _combine_kernel[grid](*merge_args, **merge_launch, **merge_meta)
     return out
+
+
+def triton_decode_attention_gated(q, k_cache, v_cache, lengths, causal: bool, scale: float, gate: torch.Tensor,
+                                  rotate: int = 0, n_split: int | None = None, config: dict | None = None):
+    """``triton_decode_attention`` then ``fused_ops.sigmoid_gate(o, gate, rotate=...)``, the gate
+    (and ConvRot rotation) done by the merge pass itself: one launch fewer.
+
+    q ``[B,Hq,S,D]``, gate ``[B,S,Hq,D]`` (last dim contiguous, q's dtype) -> ``[B,S,Hq*D]`` in q's
+    dtype: the attention output rounded to q's dtype, times ``round(sigmoid(gate))``, rounded (the
+    unfused pair's rounding points). ``rotate=G`` (16 or 256, dividing D): returns ``(out,
+    out_rot)``, out_rot ConvRot-rotated in groups of G (D >= 256). Unrotated, the merge adds the
+    splits' partial outputs as ``_combine_kernel`` does, so the output equals the unfused pair's bit
+    for bit; rotated (one program per head) it adds them in chunks of 8192 / D splits.
+    """
+    q, k_cache, v_cache = _contiguous_last(q, k_cache, v_cache)
+    b_sz, hq, s, d = q.shape
+    hkv = k_cache.shape[1]
+    if gate.shape != (b_sz, s, hq, d) or gate.dtype != q.dtype or gate.stride(-1) != 1:
+        raise ValueError(f"decode attention gate: expected [B,S,Hq,D] = {(b_sz, s, hq, d)} in {q.dtype} with a "
+                         f"contiguous last dim, got {tuple(gate.shape)} {gate.dtype}")
+    if rotate and (rotate not in (16, 256) or d % rotate or d < 256):
+        raise ValueError(f"decode attention gate: rotate={rotate} must be 16 or 256, dividing D={d} >= 256 (one "
+                         "program rotates a whole head)")
+    o_part, lse_part, n_split, merge_launch = _split_pass(q, k_cache, v_cache, lengths, causal, scale, n_split,
+                                                          config)
+    out = torch.empty(b_sz, s, hq * d, dtype=q.dtype, device=q.device)
+    out_rot = torch.empty_like(out) if rotate else out
+    hmat = hadamard_cached(16, q.device, q.dtype) if rotate else out
+    p2 = triton.next_power_of_2(n_split)
+    block_d = d if rotate else 64  # the rotation's tensor-core tiles take a whole head; else _combine_kernel's
+    chunk = min(p2, max(1, 8192 // block_d))  # at most 8192 partials loaded at once
+    _combine_gate_kernel[(b_sz * s * hq, d // block_d)](
+        o_part, lse_part, gate, out, hmat, out_rot, gate.stride(0), gate.stride(1), gate.stride(2), hkv,
+        S=s, G=hq // hkv, D=d, N_SPLIT=n_split, SPLIT_P2=p2, CHUNK=chunk, BLOCK_D=block_d, ROT=rotate,
+        IEEE=q.dtype == torch.float32, num_warps=8 if block_d > 64 else 4, **merge_launch)
+    return (out, out_rot) if rotate else out

@@ -11,7 +11,9 @@ Ops (each computes in float32 inside the kernel and stores in the input dtype):
 * ``add_rms_norm``  residual add + RMSNorm                 ``[..., H]``         programs per (row, 512 columns)
 * ``rms_norm_rope`` per-head RMSNorm + partial RoPE,       ``[B,S,Hn,D]`` ->
   written transposed for attention                         ``[B,Hn,S,D]``       one program per (row, head)
-  (``rms_norm_rope_to_cache``: k written into its KV cache slots, v beside it)
+  (``rms_norm_rope_to_cache``: k written into its KV cache slots, v beside it;
+  ``rms_norm_rope_qk``: q and the cache write of k and v in one launch)
+* ``rope_tables``   RoPE cos/sin of S positions             ``[3,S]`` -> ``[S,R]`` one program per row
 * ``silu_mul``      SwiGLU activation ``silu(g) * u``      ``[..., N]``         programs per (row, column tile)
 * ``sigmoid_gate``  attention output gate ``o * sigmoid(gate)``, transposing o back to rows
                                                            ``[B,S,Hn*D]``       one program per (row, head)
@@ -37,14 +39,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .capabilities import triton_device_reason
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # Triton < 3.0: rope_tables uses tl.cos / tl.sin
+    libdevice = None
+
+from .capabilities import interpreting, triton_device_reason
 from .convrot import convrot_group_ok, hadamard, hadamard_rotate_torch
 from .gemv import hadamard_cached, hadamard_rotate
 from .pdl import enter, launch_args
 
 __all__ = [
-    "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_to_cache",
-    "rms_norm_rope_to_cache_torch", "rms_norm_rope_torch",
+    "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_qk",
+    "rms_norm_rope_to_cache", "rms_norm_rope_to_cache_torch", "rms_norm_rope_torch", "rope_tables",
+    "rope_tables_torch",
     "sigmoid_gate", "sigmoid_gate_torch", "silu_mul", "silu_mul_torch",
 ]
 
@@ -118,19 +126,14 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _rms_norm_rope_kernel(
-    X, W, COS, SIN, OUT, V, VC, LEN,
-    sx_b, sx_s, sx_h, sw, sc_s, sc_r, ss_s, ss_r, sv_b, sv_s, sv_h, so_b, so_h, so_c,
-    n_heads, n_rows, d, rot, eps,
-    BLOCK: tl.constexpr, TO_CACHE: tl.constexpr, PDL: tl.constexpr,
-):
-    # TO_CACHE: OUT and VC are a KV cache's k and v [B,Hn,C,D]; row s goes to slot LEN[b] + s, and
-    # the same row of V [B,S,Hn,D] is copied beside it.
-    enter(PDL)
-    pid = tl.program_id(0)
-    h = pid % n_heads
-    s = (pid // n_heads) % n_rows
-    b = pid // (n_heads * n_rows)
+def _norm_rope_head(X, sx_b, sx_s, sx_h, p, heads, n_rows, W, sw, COS, SIN, sc_s, sc_r, ss_s, ss_r, d, rot, eps,
+                    BLOCK: tl.constexpr, DT: tl.constexpr):
+    """Head vector p of X ``[B,S,heads,D]`` (p over (b, s, h), h fastest): RMSNorm (rounded to DT)
+    then rotate-half RoPE on its first ``rot`` columns with row s of cos/sin. Returns
+    ``(float32 [BLOCK], b, s, h)``."""
+    h = p % heads
+    s = (p // heads) % n_rows
+    b = p // (heads * n_rows)
     base = X + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + h.to(tl.int64) * sx_h
     cols = tl.arange(0, BLOCK)
     ok = cols < d
@@ -144,20 +147,60 @@ def _rms_norm_rope_kernel(
     w = tl.load(W + cols * sw, mask=ok, other=0.0)
     wp = tl.load(W + partner * sw, mask=is_rot, other=0.0)
     # rounding point: the norm returns x's dtype before the rotation
-    n = (x * inv * w).to(OUT.dtype.element_ty).to(tl.float32)
-    n_p = (xp * inv * wp).to(OUT.dtype.element_ty).to(tl.float32)
+    n = (x * inv * w).to(DT).to(tl.float32)
+    n_p = (xp * inv * wp).to(DT).to(tl.float32)
     rot_v = tl.where(cols < half, -n_p, n_p)
     c = tl.load(COS + s * sc_s + cols * sc_r, mask=is_rot, other=1.0)
     sn = tl.load(SIN + s * ss_s + cols * ss_r, mask=is_rot, other=0.0)
-    out = tl.where(is_rot, n * c + rot_v * sn, n)
-    if TO_CACHE:
+    return tl.where(is_rot, n * c + rot_v * sn, n), b, s, h
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    XQ, WQ, OUTQ, XK, WK, KC, V, VC, LEN, COS, SIN,
+    sq_b, sq_s, sq_h, swq, sk_b, sk_s, sk_h, swk, sv_b, sv_s, sv_h, so_b, so_h, so_c,
+    sc_s, sc_r, ss_s, ss_r, n_q, hq, hk, n_rows, d, rot, eps,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    # Programs [0, n_q = B*S*hq): one q head vector each, written to OUTQ [B,hq,S,D]. Programs after
+    # them: one k head vector each, written into the KV cache KC [B,hk,C,D] at slot LEN[b] + s,
+    # with the same row of V [B,S,hk,D] copied beside it into VC.
+    enter(PDL)
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < d
+    if pid < n_q:
+        out, b, s, h = _norm_rope_head(XQ, sq_b, sq_s, sq_h, pid, hq, n_rows, WQ, swq, COS, SIN, sc_s, sc_r, ss_s,
+                                       ss_r, d, rot, eps, BLOCK, OUTQ.dtype.element_ty)
+        dst = OUTQ + ((b.to(tl.int64) * hq + h) * n_rows + s) * d + cols
+        tl.store(dst, out.to(OUTQ.dtype.element_ty), mask=ok)
+    else:
+        out, b, s, h = _norm_rope_head(XK, sk_b, sk_s, sk_h, pid - n_q, hk, n_rows, WK, swk, COS, SIN, sc_s, sc_r,
+                                       ss_s, ss_r, d, rot, eps, BLOCK, KC.dtype.element_ty)
         at = b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + (tl.load(LEN + b).to(tl.int64) + s) * so_c + cols
-        tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=ok)
+        tl.store(KC + at, out.to(KC.dtype.element_ty), mask=ok)
         vrow = tl.load(V + b.to(tl.int64) * sv_b + s.to(tl.int64) * sv_s + h.to(tl.int64) * sv_h + cols, mask=ok)
         tl.store(VC + at, vrow, mask=ok)
+
+
+@triton.jit
+def _rope_tables_kernel(POS, INV, AXIS, COS, SIN, sp_a, sp_s, rot, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        PDL: tl.constexpr):
+    # Program s: row s of both tables. Column j uses position axis AXIS[j] and frequency j mod rot/2.
+    # LIBDEVICE (compiled): libdevice's cosf/sinf, as torch's kernels (the interpreter: numpy's).
+    enter(PDL)
+    s = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    ok = j < rot
+    a = tl.load(AXIS + j, mask=ok, other=0)
+    f = tl.load(POS + a * sp_a + s * sp_s, mask=ok, other=0).to(tl.float32) * tl.load(INV + j % (rot // 2), mask=ok,
+                                                                                      other=0.0)
+    if LIBDEVICE:
+        tl.store(COS + s * rot + j, libdevice.cos(f), mask=ok)
+        tl.store(SIN + s * rot + j, libdevice.sin(f), mask=ok)
     else:
-        dst = OUT + ((b.to(tl.int64) * n_heads + h) * n_rows + s) * d + cols
-        tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok)
+        tl.store(COS + s * rot + j, tl.cos(f), mask=ok)
+        tl.store(SIN + s * rot + j, tl.sin(f), mask=ok)
 
 
 @triton.jit
@@ -409,6 +452,12 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
     ``length``). Writes k_cache and v_cache, returns None.
     """
     op = "rms_norm_rope_to_cache"
+    _check_cache_write(op, k, v, weight, cos, sin, k_cache, v_cache, length)
+    if k.numel():
+        _launch_rope(None, None, eps, cos, sin, None, k, weight, k_cache, v, v_cache, length)
+
+
+def _check_cache_write(op: str, k, v, weight, cos, sin, k_cache, v_cache, length) -> None:
     _check_rope(op, k, weight, cos, sin)
     b_sz, s, hn, d = k.shape
     if v.shape != k.shape or v.dtype != k.dtype:
@@ -423,8 +472,6 @@ def rms_norm_rope_to_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tenso
     if length.shape != (b_sz,) or length.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{op}: length must be int32/int64 [B={b_sz}], got {tuple(length.shape)} {length.dtype}")
     _check_same(op, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "length": length})
-    if k.numel():
-        _launch_rope(k, weight, eps, cos, sin, k_cache, v, v_cache, length)
 
 
 def _check_rope(op: str, x, weight, cos, sin) -> None:
@@ -451,19 +498,86 @@ def _check_rope(op: str, x, weight, cos, sin) -> None:
     _check_last_contiguous(op, "x", x)
 
 
-def _launch_rope(x, weight, eps, cos, sin, out, v=None, v_cache=None, length=None) -> None:
-    b_sz, s, hn, d = x.shape
+def _launch_rope(q, wq, eps, cos, sin, q_out, k=None, wk=None, k_cache=None, v=None, v_cache=None,
+                 length=None) -> None:
+    """One launch: q (or None) normed and rotated into q_out ``[B,Hq,S,D]``, k (or None) into k_cache at
+    ``length`` with v beside it."""
+    x = q if q is not None else k
+    b_sz, s, _, d = x.shape
+    hq = q.shape[2] if q is not None else 0
+    hk = k.shape[2] if k is not None else 0
     block = triton.next_power_of_2(d)
-    to_cache = v is not None
-    vs = v.stride()[:3] if to_cache else (0, 0, 0)
-    so = (out.stride(0), out.stride(1), out.stride(2)) if to_cache else (0, 0, 0)
-    _rms_norm_rope_kernel[(b_sz * s * hn,)](
-        x, weight, cos, sin, out, v if to_cache else x, v_cache if to_cache else out, length if to_cache else x,
-        x.stride(0), x.stride(1), x.stride(2), weight.stride(0),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *vs, *so,
-        hn, s, d, cos.shape[1], float(eps),
-        BLOCK=block, TO_CACHE=to_cache, num_warps=_num_warps(block), **launch_args(x.device),
+    qs = (q.stride(0), q.stride(1), q.stride(2), wq.stride(0)) if q is not None else (0, 0, 0, 0)
+    ks = (k.stride(0), k.stride(1), k.stride(2), wk.stride(0)) if k is not None else (0, 0, 0, 0)
+    vs = v.stride()[:3] if k is not None else (0, 0, 0)
+    so = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)) if k is not None else (0, 0, 0)
+    q_args = (q, wq, q_out) if q is not None else (x, cos, x)  # unread when hq == 0
+    k_args = (k, wk, k_cache, v, v_cache, length) if k is not None else (x, cos, x, x, x, x)  # unread when hk == 0
+    _rms_norm_rope_kernel[(b_sz * s * (hq + hk),)](
+        *q_args, *k_args, cos, sin, *qs, *ks, *vs, *so,
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), b_sz * s * hq, hq, hk, s, d, cos.shape[1],
+        float(eps), BLOCK=block, num_warps=_num_warps(block), **launch_args(x.device),
     )
+
+
+def rms_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                     k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """``rms_norm_rope(q, ...)`` and ``rms_norm_rope_to_cache(k, v, ...)`` in one launch: returns q
+    normed and rotated ``[B,Hq,S,D]`` (as ``rms_norm_rope``) and writes k and v into the cache at
+    ``length`` (as ``rms_norm_rope_to_cache``). q ``[B,S,Hq,D]`` and k, v ``[B,S,Hkv,D]`` share B, S,
+    D and the dtype; each has its own float32 norm weight ``[D]``; one eps, one cos/sin ``[S, R]``."""
+    op = "rms_norm_rope_qk"
+    _check_rope(op, q, q_weight, cos, sin)
+    _check_cache_write(op, k, v, k_weight, cos, sin, k_cache, v_cache, length)
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.dtype != k.dtype:
+        raise ValueError(f"{op}: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must share B, S, D "
+                         "and the dtype")
+    _check_same(op, {"q": q, "k": k})
+    b_sz, s, hq, d = q.shape
+    out = torch.empty(b_sz, hq, s, d, dtype=q.dtype, device=q.device)
+    if out.numel():
+        _launch_rope(q, q_weight, eps, cos, sin, out, k, k_weight, k_cache, v, v_cache, length)
+    return out
+
+
+# ------------------------------------------------------------------ RoPE tables
+def rope_tables_torch(pos: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor):
+    """Plain-torch ``rope_tables`` (``engine.rope.Rope.tables``'s math)."""
+    freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [3, S, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [3, S, R]
+    emb = emb.gather(0, axis.view(1, 1, -1).expand(1, emb.shape[1], -1))[0]  # [S, R]
+    return emb.cos(), emb.sin()
+
+
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The multimodal RoPE cos/sin tables of S rows in one launch (instead of six torch kernels).
+
+    pos int64 ``[3, S]`` (any strides: a view of a position table), inv_freq float32 ``[R/2]``, axis
+    int64 ``[R]`` (which of the 3 position rows each rotary column follows, values 0..2). Column j of
+    row s: ``f = float32(pos[axis[j], s]) * inv_freq[j mod R/2]``; returns float32 ``cos(f)``,
+    ``sin(f)`` ``[S, R]`` contiguous (libdevice's cosf/sinf, as torch's CUDA kernels compute them).
+    """
+    op = "rope_tables"
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[0] != 3 or pos.dtype != torch.int64:
+        got = f"{tuple(pos.shape)} {pos.dtype}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        raise ValueError(f"{op}: pos must be int64 [3, S], got {got}")
+    half = inv_freq.shape[0] if isinstance(inv_freq, torch.Tensor) and inv_freq.dim() == 1 else -1
+    if half < 1 or inv_freq.dtype != torch.float32 or not isinstance(axis, torch.Tensor) \
+            or axis.shape != (2 * half,) or axis.dtype != torch.int64:
+        raise ValueError(f"{op}: inv_freq must be float32 [R/2] and axis int64 [R] (the Rope's own tensors), got "
+                         f"{getattr(inv_freq, 'shape', None)} / {getattr(axis, 'shape', None)}")
+    _check_same(op, {"pos": pos, "inv_freq": inv_freq, "axis": axis})
+    _require_triton(op, pos)
+    rot, s = 2 * half, pos.shape[1]
+    cos = torch.empty(s, rot, dtype=torch.float32, device=pos.device)
+    sin = torch.empty_like(cos)
+    if s:
+        _rope_tables_kernel[(s,)](pos, inv_freq.contiguous(), axis.contiguous(), cos, sin, pos.stride(0),
+                                  pos.stride(1), rot, BLOCK=triton.next_power_of_2(rot),
+                                  LIBDEVICE=libdevice is not None and not interpreting(), num_warps=1,
+                                  **launch_args(pos.device))
+    return cos, sin
 
 
 # ------------------------------------------------------------------ SwiGLU activation

@@ -222,6 +222,64 @@ def test_rms_norm_rope_to_cache(rng, dtype):
                                   length)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu)])
+def test_rms_norm_rope_qk(rng, dtype):
+    """q and k in one launch: q as the float64 oracle with q's weight, k and v in the cache at
+    length[b] with k's weight (different weights and head counts, so a swapped pointer shows),
+    equal to the two separate launches, every other slot untouched."""
+    b_sz, s, hq, hk, d, r, cap = 2, 3, 4, 2, 128, 64, 9
+    qg = randn(rng, b_sz, s, hq, 2 * d, dtype=dtype)
+    q = qg[..., :d]  # the q half of a gated q projection, as the fused path passes it
+    k = randn(rng, b_sz, s, hk, d, dtype=dtype, scale=3.0)
+    v = randn(rng, b_sz, s, hk, d, dtype=dtype)
+    wq, wk = eff_weight(rng, d), 2 * eff_weight(rng, d)
+    cos, sin = rope_tables(rng, s, r)
+    kc = torch.full((b_sz, hk, cap, d), float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    length = torch.tensor([1, 5], dtype=torch.int32, device=DEV)
+    out = fo.rms_norm_rope_qk(q, k, v, wq, wk, EPS, cos, sin, kc, vc, length)
+    assert out.shape == (b_sz, hq, s, d) and out.is_contiguous()
+    assert_matches(out, oracle_rms_norm_rope(q, wq, EPS, cos, sin), TOL[dtype], "q")
+    want_k = oracle_rms_norm_rope(k, wk, EPS, cos, sin)
+    for b, start in enumerate(length.tolist()):
+        assert_matches(kc[b:b + 1, :, start:start + s], want_k[b:b + 1], TOL[dtype], "k")
+        assert torch.equal(vc[b, :, start:start + s], v[b].transpose(0, 1))
+        rest = [c for c in range(cap) if not start <= c < start + s]
+        assert torch.isnan(kc[b, :, rest]).all() and torch.isnan(vc[b, :, rest]).all()
+    k2, v2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    fo.rms_norm_rope_to_cache(k, v, wk, EPS, cos, sin, k2, v2, length)
+    assert torch.equal(out, fo.rms_norm_rope(q, wq, EPS, cos, sin))
+    assert torch.equal(k2.nan_to_num(7.0), kc.nan_to_num(7.0)) and torch.equal(v2.nan_to_num(7.0), vc.nan_to_num(7.0))
+    with pytest.raises(ValueError, match="share B, S, D"):
+        fo.rms_norm_rope_qk(q[..., :64], k, v, wq[:64].contiguous(), wk, EPS, cos, sin, kc, vc, length)
+
+
+def test_rope_tables_match_float64_and_the_rope(rng):
+    """cos/sin of float32(pos[axis[j]]) * inv_freq[j mod R/2]: against float64 math on the same
+    float32 angles, and against the engine's Rope.tables, for multimodal positions (three
+    different rows, large positions) read through a strided view."""
+    from qwen35_fast.engine.rope import Rope
+
+    rope = Rope(64, 10_000_000.0, (11, 11, 10), True, DEV)
+    table = torch.randint(0, 300_000, (3, 40), generator=rng).to(DEV)
+    pos = table[:, 7:12]  # a view, as RowPositions.rows returns
+    cos, sin = fo.rope_tables(pos, rope.inv_freq, rope.axis)
+    assert cos.shape == sin.shape == (5, 64) and cos.is_contiguous()
+    j = torch.arange(64, device=DEV)
+    f = pos[rope.axis, :].T.to(torch.float32) * rope.inv_freq[j % 32]  # [S, R] float32 angles
+    assert torch.allclose(cos.double(), f.double().cos(), rtol=0, atol=2e-7)
+    assert torch.allclose(sin.double(), f.double().sin(), rtol=0, atol=2e-7)
+    want_cos, want_sin = rope.tables(pos)
+    assert torch.allclose(cos, want_cos, rtol=0, atol=2e-7) and torch.allclose(sin, want_sin, rtol=0, atol=2e-7)
+    t_cos, t_sin = fo.rope_tables_torch(pos, rope.inv_freq, rope.axis)
+    assert torch.equal(t_cos, want_cos) and torch.equal(t_sin, want_sin)
+    assert not torch.equal(pos[0], pos[1]), "the test needs distinct axes"
+    with pytest.raises(ValueError, match="int64 \\[3, S\\]"):
+        fo.rope_tables(pos.float(), rope.inv_freq, rope.axis)
+    with pytest.raises(ValueError, match="axis int64"):
+        fo.rope_tables(pos, rope.inv_freq, rope.axis[:10])
+
+
 # ---------------------------------------------------------------- silu_mul
 SILU_SHAPES = [(1, 1, 96), (2, 5, 300), (3, 3000), (1, 1, 12288)]
 
