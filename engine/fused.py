@@ -309,9 +309,9 @@ class FusedPlan:
         ``[B,S,H]`` (or split-K partials, for ``norm``). With the triton backend and an o_proj that
         reads its input unrotated, the attention's merge pass also gates: one launch fewer than
         ``gate_out`` (an H200, 9B shapes, 8 layers in a graph: 9.6 against 11.0 us a layer at 2600
-        filled slots). For an int8 ConvRot o_proj the merge would rotate too, one program per head,
-        which measured no faster (12.0 against 12.0 us, 14.2 against 13.8 at 4 rows), so then, and
-        with other backends: attend, then ``gate_out``."""
+        filled slots). An int8 ConvRot o_proj also needs the rotation: a merge that rotated too, one
+        program per head, measured no faster (12.0 against 12.0 us, 14.2 against 13.8 at 4 rows), so
+        then, and with other backends: attend, then ``gate_out``."""
         name = resolve_backend(q, q.shape[-1] ** -0.5) if backend == "auto" else backend
         if name != "triton" or self._rotation_of((o_proj,)):
             o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=backend)

@@ -9,10 +9,9 @@ Two launches over a fixed grid, so one CUDA graph serves every length:
    A program whose chunk is empty exits at once, so busy programs and bytes follow L, never C.
 2. ``_combine_kernel`` grid ``(B * Hq * S, D / 64)`` merges the active splits of one row by their
    log-sum-exp (all splits loaded at once, no serial chain) and writes the output in q's dtype.
-   ``triton_decode_attention_gated``'s merge (``_combine_gate_kernel``, the same grid, or one
-   program per row and head when it also rotates) also applies the attention output gate
-   ``o * sigmoid(gate)`` (and the ConvRot rotation an int8 ``o_proj`` reads), in place of
-   ``fused_ops.sigmoid_gate``'s launch. The engine uses it unrotated only (``FusedPlan.attend``).
+   ``triton_decode_attention_gated``'s merge (``_combine_gate_kernel``, the same grid and merge)
+   also applies the attention output gate ``o * sigmoid(gate)``, in place of
+   ``fused_ops.sigmoid_gate``'s launch.
 """
 
 from __future__ import annotations
@@ -28,8 +27,6 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
-from .fused_ops import convrot_tile
-from .gemv import hadamard_cached
 from .pdl import launch_args, trigger, wait
 
 log = logging.getLogger(__name__)
@@ -112,21 +109,12 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(
-    OP, LSEP, OUT,
-    so_b, so_h, so_s, hkv,
-    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-):
-    wait(PDL)  # the whole split grid has finished and its writes are visible
-    pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
-    d0 = tl.program_id(1) * BLOCK_D
-    s = pid % S
-    h = (pid // S) % (hkv * G)
-    b = pid // (S * hkv * G)
+def _merged(OP, LSEP, b, h, s, hkv, S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
+            SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Query head h's row s of batch b merged over the active splits, columns [d0, d0 + BLOCK_D) of
+    program_id(1): ``(float32 [BLOCK_D], offs_d)``."""
     kh = h // G
     row = (h % G) * S + s
-
     splits = tl.arange(0, SPLIT_P2)
     part = ((b * hkv + kh) * N_SPLIT + splits) * (G * S) + row
     # every split wrote its lse (-inf when its chunk was empty or the row saw nothing there)
@@ -135,56 +123,49 @@ def _combine_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)
     total = tl.sum(w, 0)
-    offs_d = d0 + tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     # loaded together with the lse (not after it); stale partials of empty splits get weight 0
     o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=(splits < N_SPLIT)[:, None], other=0.0)
     o = tl.where((w > 0)[:, None], o, 0.0)
-    acc = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    return tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0), offs_d
+
+
+@triton.jit
+def _combine_kernel(
+    OP, LSEP, OUT,
+    so_b, so_h, so_s, hkv,
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    wait(PDL)  # the whole split grid has finished and its writes are visible
+    pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
+    s = pid % S
+    h = (pid // S) % (hkv * G)
+    b = pid // (S * hkv * G)
+    acc, offs_d = _merged(OP, LSEP, b, h, s, hkv, S, G, D, N_SPLIT, SPLIT_P2, BLOCK_D)
     tl.store(OUT + b * so_b + h * so_h + s * so_s + offs_d, acc.to(OUT.dtype.element_ty))
 
 
 @triton.jit
 def _combine_gate_kernel(
-    OP, LSEP, GATE, OUT, H, OROT, sg_b, sg_s, sg_h, hkv,
-    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    OP, LSEP, GATE, OUT, sg_b, sg_s, sg_h, hkv,
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Program (row and head in out's (b, s, h) order, column block): merge the splits as
-    # _combine_kernel does (CHUNK splits per load; all of them when CHUNK == SPLIT_P2), round,
-    # gate, and with ROT also write the block rotated (BLOCK_D spans whole groups).
+    # _combine_kernel's merge, in out's (b, s, h) order, then the gate with sigmoid_gate's
+    # rounding points, written as rows [B,S,Hq*D].
     wait(PDL)  # the whole split grid has finished and its writes are visible
     pid = tl.program_id(0)
     hq = hkv * G
     h = pid % hq
     s = (pid // hq) % S
     b = pid // (hq * S)
-    kh = h // G
-    row = (h % G) * S + s
-    base = (b * hkv + kh) * N_SPLIT
-    splits = tl.arange(0, SPLIT_P2)
-    lse = tl.load(LSEP + (base + splits) * (G * S) + row, mask=splits < N_SPLIT, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m_safe), 0)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for c in tl.static_range(0, SPLIT_P2, CHUNK):
-        sp = c + tl.arange(0, CHUNK)
-        part = (base + sp) * (G * S) + row
-        ok = sp < N_SPLIT
-        w = tl.exp2(tl.load(LSEP + part, mask=ok, other=float("-inf")) - m_safe)
-        o = tl.load(OP + part[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        o = tl.where((w > 0)[:, None], o, 0.0)  # stale partials of empty splits get weight 0
-        acc += tl.sum(o * w[:, None], 0)
+    acc, offs_d = _merged(OP, LSEP, b, h, s, hkv, S, G, D, N_SPLIT, SPLIT_P2, BLOCK_D)
     DT: tl.constexpr = OUT.dtype.element_ty
-    o = (acc / tl.where(total > 0, total, 1.0)).to(DT).to(tl.float32)  # rounding point: the attention output
+    o = acc.to(DT).to(tl.float32)  # rounding point: the attention output in q's dtype
     g = tl.load(GATE + b.to(tl.int64) * sg_b + s.to(tl.int64) * sg_s + h * sg_h + offs_d).to(tl.float32)
     sig = (1.0 / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)  # rounding point: sigmoid
-    y = (o * sig).to(DT)
-    at = ((b.to(tl.int64) * S + s) * hq + h) * D + offs_d
-    tl.store(OUT + at, y)
-    if ROT > 0:
-        tl.store(OROT + at, convrot_tile(y, H, ROT, BLOCK_D, IEEE).to(DT))
+    tl.store(OUT + ((b.to(tl.int64) * S + s) * hq + h) * D + offs_d, (o * sig).to(DT))
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,16 +279,15 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
 
 
 def triton_decode_attention_gated(q, k_cache, v_cache, lengths, causal: bool, scale: float, gate: torch.Tensor,
-                                  rotate: int = 0, n_split: int | None = None, config: dict | None = None):
-    """``triton_decode_attention`` then ``fused_ops.sigmoid_gate(o, gate, rotate=...)``, the gate
-    (and ConvRot rotation) done by the merge pass itself: one launch fewer.
+                                  n_split: int | None = None, config: dict | None = None):
+    """``fused_ops.sigmoid_gate(triton_decode_attention(...), gate)`` with the gate applied by the
+    merge pass itself: one launch fewer.
 
     q ``[B,Hq,S,D]``, gate ``[B,S,Hq,D]`` (last dim contiguous, q's dtype) -> ``[B,S,Hq*D]`` in q's
     dtype: the attention output rounded to q's dtype, times ``round(sigmoid(gate))``, rounded (the
-    unfused pair's rounding points). ``rotate=G`` (16 or 256, dividing D): returns ``(out,
-    out_rot)``, out_rot ConvRot-rotated in groups of G (D >= 256). Unrotated, the merge adds the
-    splits' partial outputs as ``_combine_kernel`` does, so the output equals the unfused pair's bit
-    for bit; rotated (one program per head) it adds them in chunks of 8192 / D splits.
+    unfused pair's rounding points). The merge is ``_combine_kernel``'s (``_merged``), so the output
+    equals the unfused pair's bit for bit. No ConvRot rotation: merging with one program per head
+    so it could rotate for an int8 ``o_proj`` measured no faster than the pair (``FusedPlan.attend``).
     """
     q, k_cache, v_cache = _contiguous_last(q, k_cache, v_cache)
     b_sz, hq, s, d = q.shape
@@ -315,19 +295,11 @@ def triton_decode_attention_gated(q, k_cache, v_cache, lengths, causal: bool, sc
     if gate.shape != (b_sz, s, hq, d) or gate.dtype != q.dtype or gate.stride(-1) != 1:
         raise ValueError(f"decode attention gate: expected [B,S,Hq,D] = {(b_sz, s, hq, d)} in {q.dtype} with a "
                          f"contiguous last dim, got {tuple(gate.shape)} {gate.dtype}")
-    if rotate and (rotate not in (16, 256) or d % rotate or d < 256):
-        raise ValueError(f"decode attention gate: rotate={rotate} must be 16 or 256, dividing D={d} >= 256 (one "
-                         "program rotates a whole head)")
     o_part, lse_part, n_split, merge_launch = _split_pass(q, k_cache, v_cache, lengths, causal, scale, n_split,
                                                           config)
     out = torch.empty(b_sz, s, hq * d, dtype=q.dtype, device=q.device)
-    out_rot = torch.empty_like(out) if rotate else out
-    hmat = hadamard_cached(16, q.device, q.dtype) if rotate else out
-    p2 = triton.next_power_of_2(n_split)
-    block_d = d if rotate else 64  # the rotation's tensor-core tiles take a whole head; else _combine_kernel's
-    chunk = min(p2, max(1, 8192 // block_d))  # at most 8192 partials loaded at once
-    _combine_gate_kernel[(b_sz * s * hq, d // block_d)](
-        o_part, lse_part, gate, out, hmat, out_rot, gate.stride(0), gate.stride(1), gate.stride(2), hkv,
-        S=s, G=hq // hkv, D=d, N_SPLIT=n_split, SPLIT_P2=p2, CHUNK=chunk, BLOCK_D=block_d, ROT=rotate,
-        IEEE=q.dtype == torch.float32, num_warps=8 if block_d > 64 else 4, **merge_launch)
-    return (out, out_rot) if rotate else out
+    _combine_gate_kernel[(b_sz * s * hq, d // 64)](
+        o_part, lse_part, gate, out, gate.stride(0), gate.stride(1), gate.stride(2), hkv,
+        S=s, G=hq // hkv, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split), BLOCK_D=64,
+        num_warps=4, **merge_launch)
+    return out

@@ -25,7 +25,8 @@ rotation costs no launch of its own. Groups of 16 and 256 (``H_256 = H_16 (x) H_
 products) within one program's tile are done in the kernel, other sizes by a ``hadamard_rotate``
 launch after it. ``add_rms_norm`` also sums float32 partial products (a split-K projection).
 
-Each op has a plain-torch twin (``*_torch``) doing the identical math; the twins are the fallback
+Each op has a plain-torch twin (``*_torch``; ``rope_tables``': ``engine.rope.Rope.tables``, which
+the engine's torch path calls) doing the identical math; the twins are the fallback
 when Triton cannot run and document the exact rounding points ("round" = cast to the input dtype),
 which the kernels reproduce by casting to the dtype and back at the same places. The public ops
 never fall back on their own: when ``fused_ops_reason`` says the kernels cannot run, they raise
@@ -52,7 +53,6 @@ from .pdl import enter, launch_args
 __all__ = [
     "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_qk",
     "rms_norm_rope_to_cache", "rms_norm_rope_to_cache_torch", "rms_norm_rope_torch", "rope_tables",
-    "rope_tables_torch",
     "sigmoid_gate", "sigmoid_gate_torch", "silu_mul", "silu_mul_torch",
 ]
 
@@ -542,14 +542,6 @@ def rms_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight
 
 
 # ------------------------------------------------------------------ RoPE tables
-def rope_tables_torch(pos: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor):
-    """Plain-torch ``rope_tables`` (``engine.rope.Rope.tables``'s math)."""
-    freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [3, S, R/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [3, S, R]
-    emb = emb.gather(0, axis.view(1, 1, -1).expand(1, emb.shape[1], -1))[0]  # [S, R]
-    return emb.cos(), emb.sin()
-
-
 def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The multimodal RoPE cos/sin tables of S rows in one launch (instead of six torch kernels).
 
@@ -557,6 +549,7 @@ def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor) -
     int64 ``[R]`` (which of the 3 position rows each rotary column follows, values 0..2). Column j of
     row s: ``f = float32(pos[axis[j], s]) * inv_freq[j mod R/2]``; returns float32 ``cos(f)``,
     ``sin(f)`` ``[S, R]`` contiguous (libdevice's cosf/sinf, as torch's CUDA kernels compute them).
+    Its torch twin is the engine's own ``engine.rope.Rope.tables``.
     """
     op = "rope_tables"
     if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[0] != 3 or pos.dtype != torch.int64:
