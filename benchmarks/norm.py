@@ -4,7 +4,8 @@ At the 9B shape (hidden 4096) a decode step runs 65 of these: the residual is a 
 four float32 partials, and for int8_convrot weights the output is also written ConvRot-rotated
 (groups of 256). Each timed graph replays 64 launches over 64 different inputs, chained as the
 step chains them (with programmatic dependent launch where the GPU has it); the median of many
-replays is reported per launch.
+replays is reported per launch. ``defer`` rows time the norm that leaves the row's factor to the
+product reading it (``kernels/row_norm.py``): each program reads only its own columns.
 
 Usage: python benchmarks/norm.py [--rows 1 4] [--json out.json]
 """
@@ -30,7 +31,7 @@ HIDDEN, PARTS, GROUP = 4096, 4, 256
 CONFIGS = [(256, 4), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8), (4096, 8), (4096, 16)]
 
 
-def time_config(rows: int, config, rotate: int, n: int = 64, reps: int = 60) -> float:
+def time_config(rows: int, config, rotate: int, defer: bool = False, n: int = 64, reps: int = 60) -> float:
     """Median microseconds per launch."""
     xs = [torch.randn(1, rows, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
     parts = [torch.randn(PARTS, 1, rows, HIDDEN, device="cuda") for _ in range(n)]
@@ -38,7 +39,7 @@ def time_config(rows: int, config, rotate: int, n: int = 64, reps: int = 60) -> 
 
     def launch_all():
         for x, p in zip(xs, parts):
-            add_rms_norm(x, p, w, 1e-6, rotate=rotate, config=config)
+            add_rms_norm(x, p, w, 1e-6, rotate=rotate, config=config, defer=defer)
 
     return graph_replay_us(launch_all, calls=n, replays=reps)
 
@@ -49,14 +50,16 @@ def main() -> None:
     ap.add_argument("--json", default="norm.json")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name(0)}; hidden {HIDDEN}, {PARTS} float32 partials")
-    print(f"{'rows':>4} {'rotate':>6} {'config':>12} {'us':>7}")
+    print(f"{'rows':>4} {'rotate':>6} {'defer':>5} {'config':>12} {'us':>7}")
     out = {"hidden": HIDDEN, "parts": PARTS, "rows": []}
     for rows in args.rows:
         for rotate in (GROUP, 0):
-            for config in [None] + CONFIGS:
-                us = time_config(rows, config, rotate)
-                out["rows"].append({"rows": rows, "rotate": rotate, "config": config, "us": us})
-                print(f"{rows:>4} {rotate:>6} {str(config or 'current'):>12} {us:>7.2f}", flush=True)
+            for defer in (False, True):
+                for config in [None] + CONFIGS:
+                    us = time_config(rows, config, rotate, defer)
+                    out["rows"].append({"rows": rows, "rotate": rotate, "defer": defer, "config": config, "us": us})
+                    print(f"{rows:>4} {rotate:>6} {str(defer):>5} {str(config or 'current'):>12} {us:>7.2f}",
+                          flush=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
 
 

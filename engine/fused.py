@@ -23,10 +23,13 @@ the projections, and says why fusion is impossible when a module is not the plai
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from ..kernels import decode_attention, resolve_backend, triton_device_reason, triton_module
+from ..kernels.row_norm import RowNorm, factor
 from .plain_weights import linear_group, linear_rows
 
 _NORM_CLASSES = ("RMSNorm",)
@@ -44,6 +47,24 @@ def _triton_ops():
 
 class _Reject(Exception):
     pass
+
+
+class Deferred(NamedTuple):
+    """A norm's output whose per-row RMSNorm factor the projections reading it apply
+    (``kernels/row_norm.py``): ``rows`` ``[B,S,H]`` = h * weight, ``norm`` the factor's partials,
+    ``rotated`` ``(G, rows rotated)`` or None."""
+
+    rows: torch.Tensor
+    norm: RowNorm
+    rotated: tuple[int, torch.Tensor] | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+    def materialize(self) -> torch.Tensor:
+        """The norm's output itself (``rows`` times the factor, rounded to rows' dtype)."""
+        return (self.rows.float() * factor(self.norm)).to(self.rows.dtype)
 
 
 def _resident(weights, mod, name: str, device: torch.device) -> None:
@@ -128,6 +149,8 @@ class FusedPlan:
         # ConvRot: the group size the int8 projections fed by each norm expect (the norm's kernel
         # writes its output rotated too), and the most recent such output: (y, G, y rotated).
         self.norm_rotation: dict[str, int] = {}
+        # The norms whose every reader is a projection read in place: their factor is deferred.
+        self.deferred: set[str] = set()
         self._rotated: tuple | None = None
         self.embedding: torch.Tensor | None = None  # the embedding table read in place, or None
 
@@ -200,6 +223,8 @@ class FusedPlan:
                 output = plain
         plan = cls(ops, norms, convs, mlps, eps.pop(), linears, unresolved, output, formats, modules)
         plan.norm_rotation = plan._norm_rotations(binding)
+        plan.deferred = {key for key, readers in plan._norm_readers(binding).items()
+                         if all(id(m) in linears for m in readers)}
         plan.embedding = _embedding_table(weights, binding.transformer.embed_tokens, device)
         return plan, None
 
@@ -211,8 +236,10 @@ class FusedPlan:
                 return plain.convrot
         return 0
 
-    def _norm_rotations(self, binding) -> dict[str, int]:
-        """``norm key -> G`` for the norms whose output feeds int8 ConvRot-G projections directly."""
+    @staticmethod
+    def _norm_readers(binding) -> dict[str, tuple]:
+        """``norm key -> the projections that read its output`` for the layer norms (and the MTP
+        layer's); the model's final norms and the MTP head's input norms have other readers."""
         cfg, out = binding.config, {}
         layers = [(f"layers.{i}", layer, cfg.layer_types[i]) for i, layer in enumerate(binding.layers)]
         if binding.mtp is not None:
@@ -223,9 +250,13 @@ class FusedPlan:
                 mixer = (la.in_proj_qkv, la.in_proj_z, la.in_proj_a, la.in_proj_b)
             else:
                 mixer = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-            out[f"{prefix}.input_layernorm"] = self._rotation_of(mixer)
-            out[f"{prefix}.post_attention_layernorm"] = self._rotation_of(
-                (getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None)))
+            out[f"{prefix}.input_layernorm"] = mixer
+            out[f"{prefix}.post_attention_layernorm"] = _mlp_parts(layer.mlp, f"{prefix}.mlp")[:2]
+        return out
+
+    def _norm_rotations(self, binding) -> dict[str, int]:
+        """``norm key -> G`` for the norms whose output feeds int8 ConvRot-G projections directly."""
+        out = {key: self._rotation_of(readers) for key, readers in self._norm_readers(binding).items()}
         return {k: g for k, g in out.items() if g}
 
     def describe(self) -> str:
@@ -257,22 +288,32 @@ class FusedPlan:
 
         return gemv.split_k(plain.weight.shape[0], plain.weight.shape[1], plain.quantized)
 
-    def lins(self, modules, x: torch.Tensor) -> list[torch.Tensor]:
+    def lins(self, modules, x) -> list[torch.Tensor]:
         """Projections of the same rows x (grouped into one launch where they are int8; x's rotated
-        twin from the norm that produced it, when there is one)."""
+        twin from the norm that produced it, when there is one). x ``[B,S,H]`` or a ``Deferred``
+        norm output (``norm``), whose factor the GEMV applies."""
         plains = [self.linears.get(id(m)) for m in modules]
         if all(p is not None for p in plains):
+            if isinstance(x, Deferred):
+                return linear_group(x.rows, plains, rotated=x.rotated, row_norm=x.norm)
             last = self._rotated
             rotated = (last[1], last[2]) if last is not None and last[0] is x else None
             return linear_group(x, plains, rotated=rotated)
+        if isinstance(x, Deferred):  # a module reads it: the norm's output itself
+            x = x.materialize()
         return [self.lin(m, x) for m in modules]
 
     # ------------------------------------------------------------------ building blocks
     def norm(self, key: str, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``(rms_norm(x + residual), x + residual)`` with the weight of norm ``key``. x ``[B,S,H]``;
         residual ``[B,S,H]`` or a split-K product's float32 partials ``[P,B,S,H]``. Where int8
-        ConvRot projections read the output, the kernel also writes it rotated (kept for ``lins``)."""
+        ConvRot projections read the output, the kernel also writes it rotated (kept for ``lins``).
+        For a norm in ``deferred`` the first is a ``Deferred`` (for ``lins`` only): no program of the
+        norm's kernel then reads the whole row (measured in ``kernels/row_norm.py``)."""
         group = self.norm_rotation.get(key, 0)
+        if key in self.deferred:
+            out = self.ops.add_rms_norm(x, residual, self.norms[key], self.eps, rotate=group, defer=True)
+            return Deferred(out[0], out[-1], (group, out[2]) if group else None), out[1]
         if not group:
             return self.ops.add_rms_norm(x, residual, self.norms[key], self.eps)
         y, h, y_rot = self.ops.add_rms_norm(x, residual, self.norms[key], self.eps, rotate=group)

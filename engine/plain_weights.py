@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.capabilities import QUANT_DTYPES
+from ..kernels.row_norm import RowNorm, factor
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,18 @@ def _kernels():
 
 
 def linear_rows(x: torch.Tensor, w: PlainLinear, *, rotated: tuple[int, torch.Tensor] | None = None,
-                split: int = 1) -> torch.Tensor:
+                split: int = 1, row_norm: RowNorm | None = None) -> torch.Tensor:
     """x ``[..., K]`` (at most 16 rows in all, execution dtype) -> ``[..., N]`` in x's dtype.
-    ``rotated`` as for ``linear_group``. ``split=P > 1`` with a bias-free weight the GEMV takes:
-    float32 partial products ``[P', ..., N]`` over K ranges instead (``kernels.gemv.gemv_group``),
-    for a consumer that sums them (``fused_ops.add_rms_norm``); otherwise the product as usual."""
+    ``rotated`` and ``row_norm`` as for ``linear_group``. ``split=P > 1`` with a bias-free weight the
+    GEMV takes: float32 partial products ``[P', ..., N]`` over K ranges instead
+    (``kernels.gemv.gemv_group``), for a consumer that sums them (``fused_ops.add_rms_norm``);
+    otherwise the product as usual."""
     gemv = _kernels()
     if split > 1 and w.bias is None and gemv.gemv_reason(x, w.weight, w.scale) is None:
         src, rot = _source(x, w.convrot, rotated)
         return gemv.gemv_group(src, [w.weight], scales=None if w.scale is None else [w.scale], convrot=rot,
-                               split=split)[0]
-    return linear_group(x, [w], rotated=rotated)[0]
+                               split=split, row_norm=row_norm)[0]
+    return linear_group(x, [w], rotated=rotated, row_norm=row_norm)[0]
 
 
 def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, int]:
@@ -71,12 +73,15 @@ def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | Non
 
 
 def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
-                 rotated: tuple[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+                 rotated: tuple[int, torch.Tensor] | None = None,
+                 row_norm: RowNorm | None = None) -> list[torch.Tensor]:
     """``[linear_rows(x, w) for w in weights]`` as few launches: the Triton GEMV takes up to four
     weights of one kind per launch (int8 of one ConvRot group size, x rotated once for them; fp8 of
     one format; or weights in x's dtype); weights it cannot take (another dtype) go through ``F.linear``.
     x ``[..., K]``, at most 16 rows. ``rotated=(G, x_rot)``: x already ConvRot-rotated in groups of
-    G (by the kernel that produced x): the ConvRot-G weights read x_rot, no rotation launch."""
+    G (by the kernel that produced x): the ConvRot-G weights read x_rot, no rotation launch.
+    ``row_norm``: x (and x_rot) is an RMSNorm's output without its per-row factor
+    (``kernels/row_norm.py``): every product is multiplied by it before the bias."""
     gemv = _kernels()
     outs: list[torch.Tensor | None] = [None] * len(weights)
     kinds: dict[tuple, list[int]] = {}
@@ -86,15 +91,18 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
             kinds.setdefault((w.weight.dtype, w.convrot), []).append(i)
         elif w.quantized:
             raise ValueError(f"a {w.weight.dtype} projection the GEMV cannot take: {why}")
-        else:
+        elif row_norm is None:
             outs[i] = F.linear(x, w.weight, w.bias)
+        else:
+            y = (F.linear(x, w.weight).float() * factor(row_norm)).to(x.dtype)
+            outs[i] = y if w.bias is None else y + w.bias
     for (_, group), idx in kinds.items():
         src, rot = _source(x, group, rotated)
         for start in range(0, len(idx), gemv.MAX_GROUP):
             part = idx[start:start + gemv.MAX_GROUP]
             ys = gemv.gemv_group(src, [weights[i].weight for i in part],
                                  scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
-                                 convrot=rot)
+                                 convrot=rot, row_norm=row_norm)
             for i, y in zip(part, ys):
                 b = weights[i].bias
                 outs[i] = y if b is None else y + b

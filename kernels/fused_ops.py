@@ -23,7 +23,8 @@ output ConvRot-rotated in groups of G (``y_g @ H_G`` of the rounded output, floa
 rounding), which int8 ConvRot projections read directly: the row is in registers once, so the
 rotation costs no launch of its own. Groups of 16 and 256 (``H_256 = H_16 (x) H_16``, two 16-wide
 products) within one program's tile are done in the kernel, other sizes by a ``hadamard_rotate``
-launch after it. ``add_rms_norm`` also sums float32 partial products (a split-K projection).
+launch after it. ``add_rms_norm`` also sums float32 partial products (a split-K projection), and
+with ``defer=True`` leaves the row's factor to the GEMV reading its output (``kernels/row_norm.py``).
 
 Each op has a plain-torch twin (``*_torch``; ``rope_tables``': ``engine.rope.Rope.tables``, which
 the engine's torch path calls) doing the identical math; the twins are the fallback
@@ -49,6 +50,7 @@ from .capabilities import interpreting, triton_device_reason
 from .convrot import convrot_group_ok, hadamard, hadamard_rotate_torch
 from .gemv import hadamard_cached, hadamard_rotate
 from .pdl import enter, launch_args
+from .row_norm import RowNorm
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_torch", "fused_ops_reason", "rms_norm_rope", "rms_norm_rope_qk",
@@ -98,28 +100,35 @@ def _residual_rows(X, R, row, sx, sr, sr_p, cols, ok, HAS_RES: tl.constexpr, PAR
 
 @triton.jit
 def _add_rms_norm_kernel(
-    X, R, W, Y, HOUT, H, YROT,
+    X, R, W, Y, HOUT, H, YROT, SQ,
     sx, sr, sr_p, sw, n_cols, eps,
     HAS_RES: tl.constexpr, PARTS: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr,
-    SLICE: tl.constexpr, PDL: tl.constexpr,
+    SLICE: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Program (row, slice): the whole row for the mean square, then its SLICE columns written
-    # (h, y and y rotated), so one row is spread over several programs.
+    # Program (row, slice) writes its SLICE columns (h, y and y rotated). It reads the whole row for
+    # the mean square; with DEFER only its slice: then y is written without the row's factor and
+    # the slice's sum of squares goes to SQ[row, slice] (``kernels/row_norm.py``). The slice is
+    # loaded first: its load is in flight while the whole row is loaded and reduced.
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = Y.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    h = _residual_rows(X, R, row, sx, sr, sr_p, cols, cols < n_cols, HAS_RES, PARTS, DT)
-    inv = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
     sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
     ok = sc < n_cols
-    if SLICE == BLOCK:  # one program per row: the row is in registers already
-        hs = h
+    w = tl.load(W + sc * sw, mask=ok, other=0.0)
+    if DEFER:
+        hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
+        tl.store(SQ + row * tl.num_programs(1) + tl.program_id(1), tl.sum(hs * hs, 0))
+        y = (hs * w).to(DT)
+    elif SLICE == BLOCK:  # one program per row
+        hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
+        y = (hs * tl.rsqrt(tl.sum(hs * hs, 0) / n_cols + eps) * w).to(DT)
     else:
         hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
+        cols = tl.arange(0, BLOCK)
+        h = _residual_rows(X, R, row, sx, sr, sr_p, cols, cols < n_cols, HAS_RES, PARTS, DT)
+        y = (hs * tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps) * w).to(DT)
     if HAS_RES:
         tl.store(HOUT + row * n_cols + sc, hs.to(DT), mask=ok)
-    y = (hs * inv * tl.load(W + sc * sw, mask=ok, other=0.0)).to(DT)
     tl.store(Y + row * n_cols + sc, y, mask=ok)
     if ROT > 0:
         tl.store(YROT + row * n_cols + sc, convrot_tile(y, H, ROT, SLICE, IEEE).to(DT), mask=ok)
@@ -322,18 +331,29 @@ def _twin_rotate(y: torch.Tensor, rotate: int) -> torch.Tensor:
 
 
 def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float, *, rotate: int = 0) -> tuple[torch.Tensor, ...]:
+                       eps: float, *, rotate: int = 0, defer: bool = False) -> tuple:
     """Plain-torch ``add_rms_norm`` (same math and rounding points; no checks, no graph promise)."""
     if residual is not None and residual.dim() == x.dim() + 1:  # split-K partials
         residual = residual.sum(0).to(x.dtype)
     h = x if residual is None else x + residual  # rounded to x.dtype
-    y = F.rms_norm(h.float(), (h.shape[-1],), weight, eps).to(x.dtype).contiguous()
-    return (y, h) if not rotate else (y, h, _twin_rotate(y, rotate))
+    if defer:
+        hf = h.float()
+        y = (hf * weight).to(x.dtype).contiguous()
+        norm = (RowNorm(hf.square().sum(-1, keepdim=True), h.shape[-1], float(eps)),)
+    else:
+        y = F.rms_norm(h.float(), (h.shape[-1],), weight, eps).to(x.dtype).contiguous()
+        norm = ()
+    return ((y, h) if not rotate else (y, h, _twin_rotate(y, rotate))) + norm
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, *, rotate: int = 0, config: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
-    """Residual add then RMSNorm, one launch. Returns ``(y, h)``, with ``rotate=G`` ``(y, h, y_rot)``.
+                 eps: float, *, rotate: int = 0, config: tuple[int, int] | None = None,
+                 defer: bool = False) -> tuple:
+    """Residual add then RMSNorm, one launch. Returns ``(y, h)``, with ``rotate=G`` ``(y, h, y_rot)``;
+    ``defer=True`` appends a ``RowNorm`` (``kernels/row_norm.py``) and leaves the row factor out of
+    y and y_rot: ``y = h * weight`` rounded to x's dtype, ``RowNorm.sq`` float32 ``[..., P]`` the
+    partial sums of squares of h (one per program), for a GEMV that applies the factor
+    (``gemv_group(row_norm=)``); no program then reads the whole row.
 
     x ``[..., H]`` (last dim contiguous; bf16/fp16/fp32); residual the same shape and dtype, or
     float32 partial products ``[P, ..., H]`` (``gemv_group(split=P)``: summed in float32 and
@@ -367,7 +387,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _require_triton(op, x)
     _check_last_contiguous(op, "x", x)
     block = triton.next_power_of_2(max(hid, 1))
-    slice_, warps = (min(block, _NORM_SLICE), _num_warps(block)) if config is None else config
+    slice_ = min(block, _NORM_SLICE)
+    slice_, warps = (slice_, _num_warps(slice_ if defer else block)) if config is None else config
     if slice_ < 1 or block % slice_ or slice_ & (slice_ - 1):
         raise ValueError(f"{op}: config columns {slice_} must be a power of two dividing {block}")
     fused, hmat = _rotation(op, rotate, hid, slice_, x)
@@ -384,17 +405,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         sr_p = residual.stride(0) if parts else 0
         h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         h_out = h
+    slices = triton.cdiv(hid, slice_)  # programs per row
+    sq = torch.empty(*x.shape[:-1], slices, dtype=torch.float32, device=x.device) if defer else y
+    norm = (RowNorm(sq, hid, float(eps)),) if defer else ()
     if x2.shape[0] == 0 or hid == 0:
-        return (y, h) if not rotate else (y, h, y_rot)
-    _add_rms_norm_kernel[(x2.shape[0], block // slice_)](
-        x2, r2, weight, y, h_out, hmat, y_rot,
+        return ((y, h) if not rotate else (y, h, y_rot)) + norm
+    _add_rms_norm_kernel[(x2.shape[0], slices)](
+        x2, r2, weight, y, h_out, hmat, y_rot, sq,
         x2.stride(0), r2.stride(0), sr_p, weight.stride(0), hid, float(eps),
         HAS_RES=residual is not None, PARTS=parts, ROT=fused, IEEE=x.dtype == torch.float32, BLOCK=block,
-        SLICE=slice_, num_warps=warps, **launch_args(x.device),
+        SLICE=slice_, DEFER=defer, num_warps=warps, **launch_args(x.device),
     )
     if not rotate:
-        return y, h
-    return y, h, _rotated(y, rotate, fused, y_rot)
+        return (y, h) + norm
+    return (y, h, _rotated(y, rotate, fused, y_rot)) + norm
 
 
 # ------------------------------------------------------------------ per-head RMSNorm + RoPE

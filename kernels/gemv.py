@@ -20,8 +20,9 @@ inside the kernel.
 ``gemv_group`` runs up to four weights that read the same x in one launch (a DeltaNet layer's four
 input projections, q/k/v, gate/up). ``split=P`` cuts K into P ranges with programs of their own and
 returns float32 partials for a consumer that sums them: a 4096-wide output has only 128 programs of
-32 columns, too few to keep the memory system busy (``split_k``). What was measured slower on an
-H200 and removed (``benchmarks/int8_gemv.py``): the SiLU product computed inside the down
+32 columns, too few to keep the memory system busy (``split_k``). ``row_norm`` multiplies each
+row's result by the RMSNorm factor a deferred norm left to it (``kernels/row_norm.py``). What was
+measured slower on an H200 and removed (``benchmarks/int8_gemv.py``): the SiLU product computed inside the down
 projection's tiles (every program recomputes it per tile: 99 us against 33 for ``silu_mul`` +
 cuBLAS), the ConvRot rotation inside the product's tiles (two 16-wide products and layout shuffles
 per tile: 17 us against 12 for a rotation launch + the product at 4096x4096), one-row products on
@@ -41,6 +42,7 @@ import triton.language as tl
 from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 from .pdl import enter, launch_args, trigger, wait
+from .row_norm import RowNorm
 
 __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_cached",
            "hadamard_rotate", "hadamard_rotate_torch", "split_k"]
@@ -79,12 +81,15 @@ def _e4m3_bf16(w):
 
 
 @triton.jit
-def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: tl.constexpr,
-          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          EVEN_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr):
+def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps,
+          QUANT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
+          ROW_NORM: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
     # FP8: 0 (int8 or x's dtype), 1 (e4m3fn bytes), 2 (e5m2 bytes), 3 (e4m3fn bytes, bf16 x, on a
-    # GPU: ``_e4m3_bf16``).
+    # GPU: ``_e4m3_bf16``). ROW_NORM (a power of two >= n_nrm): each row's result times
+    # rsqrt(sum of its n_nrm partial sums of squares in NRM / n_mean + eps), the RMSNorm factor
+    # ``fused_ops.add_rms_norm(defer=True)`` left to its consumer.
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -94,6 +99,10 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
     k_lo = pid_k * K_PER
     wait(PDL)  # x is the previous kernel's output
     trigger(PDL)  # after the wait: the next product's programs queue behind this one, never ahead
+    if ROW_NORM > 0:  # loaded before the weights stream, so its latency is not added after them
+        j = tl.arange(0, ROW_NORM)
+        sq = tl.load(NRM + offs_m[:, None] * s_nrm + j[None, :], mask=m_ok[:, None] & (j < n_nrm)[None, :], other=0.0)
+        factor = tl.rsqrt(tl.sum(sq, 1) / n_mean + eps)
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -123,6 +132,8 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
             acc += tl.dot(x, tl.trans(w))
     if QUANT:  # per-row scales (ss_n = 1) or one per tensor (ss_n = 0)
         acc *= tl.load(S + offs_n * ss_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROW_NORM > 0:
+        acc *= factor[:, None]
     tl.store(Y + pid_k * sy_k + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -130,23 +141,24 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, QUANT: 
 @triton.jit
 def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER, N0, N1, N2, N3, E0, E1, E2,
                  sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
+                 NRM, n_nrm, s_nrm, n_mean, eps,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PDL: tl.constexpr, FP8: tl.constexpr):
+                 PDL: tl.constexpr, FP8: tl.constexpr, ROW_NORM: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
-        _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-              EVEN_K, PDL, FP8)
+        _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps,
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
     elif COUNT > 1 and pid < E1:
-        _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL, FP8)
+        _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean, eps,
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
     elif COUNT > 2 and pid < E2:
-        _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL, FP8)
+        _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean, eps,
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
     elif COUNT > 3:
-        _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, QUANT, IEEE, BLOCK_M, BLOCK_N,
-              BLOCK_K, EVEN_K, PDL, FP8)
+        _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean, eps,
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
@@ -243,7 +255,7 @@ def hadamard_cached(group: int, device: torch.device, dtype: torch.dtype) -> tor
 
 def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[torch.Tensor] | None = None,
                convrot: int = 0, config: tuple[int, int, int, int] | None = None,
-               split: int = 1) -> list[torch.Tensor]:
+               split: int = 1, row_norm: RowNorm | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch (1..4 weights ``[N_i, K]``, row-major, one dtype).
 
     x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 / fp8
@@ -254,7 +266,10 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     overrides the choice. ``split=P > 1`` cuts K into P ranges with programs of their own and
     returns float32 partial products ``[P', ..., N_i]`` (P' <= P: fewer when K has fewer tiles;
     scale applied) whose sum over the first dim is the product, for a consumer that adds them up
-    (``fused_ops.add_rms_norm`` with ``x`` as the partials).
+    (``fused_ops.add_rms_norm`` with ``x`` as the partials). ``row_norm``: x is an RMSNorm's output
+    without its per-row factor (``kernels/row_norm.py``, ``sq`` ``[..., P]`` with x's leading dims):
+    every product's float32 accumulator (each partial's, with ``split``) is multiplied by the
+    factor before the output is rounded.
     """
     if split < 1:
         raise ValueError(f"gemv_group: split must be >= 1, got {split}")
@@ -277,6 +292,7 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         x = hadamard_rotate(x, hadamard_cached(convrot, x.device, x.dtype))
     x2 = _rows(x, k)
     m = x2.shape[0]
+    nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
     ns = [w.shape[0] for w in weights]
     block_n, block_k, warps, stages = _config(sum(ns), k, quant) if config is None else config
     block_k = min(block_k, triton.next_power_of_2(k))
@@ -296,20 +312,36 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     _gemv_kernel[(total, parts)](
         x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
         *(int(quant and s.numel() > 1) for s in ss), *(y.stride(-2) for y in ys),
-        *(y.stride(0) if split > 1 else 0 for y in ys),
+        *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5],
         COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-        FP8=fp8, **launch_args(x.device),
+        FP8=fp8, ROW_NORM=nrm[5], **launch_args(x.device),
     )
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
 
 
+def _row_norm_args(row_norm: RowNorm, x: torch.Tensor, m: int) -> tuple:
+    """The kernel's (NRM, n_nrm, s_nrm, n_mean, eps, ROW_NORM) for ``row_norm`` over x's m rows."""
+    sq = row_norm.sq
+    if not isinstance(sq, torch.Tensor) or sq.dtype != torch.float32 or sq.device != x.device \
+            or tuple(sq.shape[:-1]) != tuple(x.shape[:-1]) or sq.shape[-1] < 1 or row_norm.n < 1:
+        got = f"{tuple(sq.shape)} {sq.dtype}" if isinstance(sq, torch.Tensor) else type(sq).__name__
+        raise ValueError(f"gemv: row_norm.sq must be float32 [{', '.join(map(str, x.shape[:-1]))}, P] on x's device "
+                         f"(with n >= 1), got {got}")
+    sq2 = sq.reshape(m, sq.shape[-1])
+    if sq2.stride(-1) != 1:
+        sq2 = sq2.contiguous()
+    return sq2, sq2.shape[1], sq2.stride(0), int(row_norm.n), float(row_norm.eps), triton.next_power_of_2(sq2.shape[1])
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, convrot: int = 0,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ w.T`` (times ``scale`` for int8 / fp8 ``w``; x ConvRot-rotated first with ``convrot=G``): x
-    ``[..., K]`` with at most 16 rows in all, w ``[N, K]`` row-major in x's dtype, int8 or fp8. Returns
-    ``[..., N]`` in x's dtype (float32 accumulation)."""
-    return gemv_group(x, [w], scales=None if scale is None else [scale], convrot=convrot, config=config)[0]
+         config: tuple[int, int, int, int] | None = None, row_norm: RowNorm | None = None) -> torch.Tensor:
+    """``x @ w.T`` (times ``scale`` for int8 / fp8 ``w``; x ConvRot-rotated first with ``convrot=G``;
+    times ``row_norm``'s factor, as ``gemv_group``): x ``[..., K]`` with at most 16 rows in all, w
+    ``[N, K]`` row-major in x's dtype, int8 or fp8. Returns ``[..., N]`` in x's dtype (float32
+    accumulation)."""
+    return gemv_group(x, [w], scales=None if scale is None else [scale], convrot=convrot, config=config,
+                      row_norm=row_norm)[0]
 
 
 @triton.jit

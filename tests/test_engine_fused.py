@@ -10,7 +10,7 @@ from qwen35_fast.engine import bind, generate
 from qwen35_fast.engine.cache import DeltaNetState, ModelCache
 from qwen35_fast.engine.errors import Qwen35Error
 from qwen35_fast.engine.forward import Runner
-from qwen35_fast.engine.fused import FusedPlan
+from qwen35_fast.engine.fused import Deferred, FusedPlan
 from qwen35_fast.kernels import interpreting
 from qwen35_fast.patches.comfy_weights import Resolver
 
@@ -35,6 +35,9 @@ def _runners(model, prompt):
     b = bind(model)
     plan, why = FusedPlan.build(b, "cpu", torch.float32)
     assert plan is not None, why
+    # every layer norm's factor goes to the projections that read it (the final norms keep theirs)
+    layers = [f"layers.{i}" for i in range(b.config.num_hidden_layers)] + ["mtp.layers.0"]
+    assert plan.deferred == {f"{p}.{n}" for p in layers for n in ("input_layernorm", "post_attention_layernorm")}
     out = []
     for fused in (None, plan):
         cache = ModelCache(b.config, batch=1, capacity=64, dtype=torch.float32, device="cpu", mtp=True)
@@ -57,12 +60,14 @@ def _states(cache):
 @pytest.fixture(params=["unsplit", "split-K"])
 def split(request, monkeypatch):
     """The products as ``kernels.gemv`` picks them, or the outputs that feed a norm split over K
-    (3 ranges of 32-wide tiles, so a 64- or 96-wide K gives 2 or 3 float32 partials)."""
+    (3 ranges of 32-wide tiles, so a 64- or 96-wide K gives 2 or 3 float32 partials) and the norms
+    cut into 16-column programs."""
     if request.param == "split-K":
-        from qwen35_fast.kernels import gemv
+        from qwen35_fast.kernels import fused_ops, gemv
 
         monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False: 3)
         monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False: (16, 32, 4, 2))
+        monkeypatch.setattr(fused_ops, "_NORM_SLICE", 16)  # 4 programs a row: 4 partial sums of squares
     return request.param
 
 
@@ -98,6 +103,23 @@ def test_fused_rows_match_torch_path(model, rng, split):
         torch.testing.assert_close(fused.mtp_forward(h, e, pos), plain.mtp_forward(h, e, pos), atol=2e-5, rtol=2e-5)
         fused.cache.mtp.commit()
         plain.cache.mtp.commit()
+
+
+def test_deferred_norm_output_read_by_a_module(model, rng):
+    """A layer norm's deferred output (``FusedPlan.norm``) that reaches a projection not read in
+    place is the norm's output itself: equal to the layer's own norm module, then the module."""
+    model, d = model
+    b = bind(model)
+    plan, why = FusedPlan.build(b, "cpu", torch.float32)
+    assert plan is not None, why
+    x, res = (torch.randn(1, 2, d["hidden_size"], generator=rng) for _ in range(2))
+    xn, h = plan.norm("layers.0.input_layernorm", x, res)
+    assert isinstance(xn, Deferred)
+    lin = torch.nn.Linear(d["hidden_size"], 5)
+    (got,) = plan.lins([lin], xn)
+    want = lin(b.layers[0].input_layernorm(x + res))
+    torch.testing.assert_close(h, x + res)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("mtp", ["off", 3])

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from qwen35_fast.kernels import fused_ops as fo
+from qwen35_fast.kernels.row_norm import factor
 
 from tests.oracles.kitchen import kitchen_rotate
 
@@ -389,6 +390,34 @@ def test_add_rms_norm_sums_partials(rng, dtype, count):
     assert_matches(y, fo.add_rms_norm_torch(x, parts, w, EPS)[0].double(), TORCH_TOL[dtype], "twin")
     with pytest.raises(ValueError, match="float32 partials"):
         fo.add_rms_norm(x, parts.to(dtype) if dtype != torch.float32 else parts[:, :, :1], w, EPS)
+
+
+@pytest.mark.parametrize("residual", ["partials", "none"])
+@pytest.mark.parametrize("rotate", [0, 256])
+@pytest.mark.parametrize("dtype", ROT_DTYPES)
+def test_add_rms_norm_deferred(rng, dtype, rotate, residual):
+    """``defer=True``: y is h * weight rounded, without the row's factor; ``RowNorm.sq`` holds one
+    sum of squares of h per 512-column program, whose sum is the row's; y times the factor is the
+    norm (float64 oracle); h is the undeferred call's bit for bit; y_rot is y's rotation; the torch
+    twin agrees."""
+    x, w = randn(rng, 1, 3, 1536, dtype=dtype), eff_weight(rng, 1536)
+    parts = randn(rng, 4, 1, 3, 1536) if residual == "partials" else None
+    out = fo.add_rms_norm(x, parts, w, EPS, rotate=rotate, defer=True, config=(512, 4))
+    assert len(out) == (4 if rotate else 3)
+    y, h, norm = out[0], out[1], out[-1]
+    prod = None if parts is None else rnd(parts.double().sum(0), dtype).to(dtype)
+    y_ref, h_ref = oracle_add_rms_norm(x, prod, w, EPS)
+    assert torch.equal(h, fo.add_rms_norm(x, parts, w, EPS)[1])
+    assert norm.sq.shape == (1, 3, 3) and norm.sq.dtype == torch.float32 and norm.n == 1536 and norm.eps == EPS
+    for j in range(3):
+        assert_matches(norm.sq[..., j], h_ref[..., 512 * j:512 * (j + 1)].square().sum(-1), 1e-5, f"sq {j}")
+    assert_matches(y, rnd(h_ref * w.double(), dtype), TOL[dtype], "y")
+    assert_matches(y.double() * factor(norm).double(), y_ref, TOL[dtype], "y * factor")
+    if rotate:
+        assert_matches(out[2], kitchen_rotate(y, 256), 2 * TOL[dtype], "y_rot")
+    twin = fo.add_rms_norm_torch(x, parts, w, EPS, rotate=rotate, defer=True)
+    assert_matches(y, twin[0].double(), TORCH_TOL[dtype], "twin y")
+    assert_matches(factor(norm), factor(twin[-1]).double(), 1e-5, "twin factor")
 
 
 @pytest.mark.parametrize("config", [(2048, 8), (256, 4)], ids=["one-program", "256-columns"])

@@ -94,6 +94,58 @@ def test_split_k_partials_sum_to_the_product(rng, split, dtype):
     assert rel(parts.sum(0), x.double() @ dense.double().T) < tol(dtype)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_norm_factor_is_applied(rng, split, dtype):
+    """``row_norm``: each row's product (each partial's, split over K) times rsqrt(sum(sq) / n +
+    eps), an RMSNorm's factor (float64 reference; sums of squares small enough that eps counts),
+    for int8 and dense weights; without it the answer is wrong."""
+    from qwen35_fast.kernels.row_norm import RowNorm
+
+    k, rows, eps = 200, 3, 1e-5
+    z = torch.randn(1, rows, k, generator=rng).to(dtype)
+    sq = torch.rand(1, rows, 5, generator=rng) * 1e-3
+    fac = 1 / torch.sqrt(sq.double().sum(-1, keepdim=True) / k + eps)
+    q = rand_int8(rng, 37, k)
+    s = torch.rand(37, 1, generator=rng) * 1e-3 + 1e-4
+    dense = torch.randn(24, k, generator=rng).to(dtype)
+    norm = RowNorm(sq, k, eps)
+    (yq,) = gemv_group(z, [q], scales=[s], config=(16, 32, 4, 2), split=split, row_norm=norm)
+    (yd,) = gemv_group(z, [dense], config=(16, 32, 4, 2), split=split, row_norm=norm)
+    if split > 1:
+        yq, yd = yq.sum(0), yd.sum(0)
+    assert rel(yq, (z.double() * fac) @ comfy_weight(q, s).T) < tol(dtype)
+    assert rel(yd, (z.double() * fac) @ dense.double().T) < tol(dtype)
+    assert rel(gemv(z, q, s, config=(16, 32, 4, 2)), (z.double() * fac) @ comfy_weight(q, s).T) > 0.3
+    with pytest.raises(ValueError, match="row_norm.sq must be float32"):
+        gemv(z, q, s, row_norm=RowNorm(sq[:, :2], k, eps))
+
+
+def test_linear_group_applies_row_norm_to_every_format(rng):
+    """``linear_group(row_norm=)``: the factor reaches products of every format, the int8 ConvRot
+    one reading a rotated input, the one ``F.linear`` computes (a column-major weight the GEMV does
+    not take), before the bias."""
+    from qwen35_fast.engine.plain_weights import PlainLinear, linear_group
+    from qwen35_fast.kernels.row_norm import RowNorm
+
+    k = 256
+    z = torch.randn(1, 2, k, generator=rng)
+    norm = RowNorm(torch.rand(1, 2, 2, generator=rng) * k, k, 1e-6)
+    fac = 1 / torch.sqrt(norm.sq.double().sum(-1, keepdim=True) / k + 1e-6)
+    column_major = (torch.randn(k, 9, generator=rng) * 0.1).T
+    q1, q2 = rand_int8(rng, 20, k), rand_int8(rng, 5, k)
+    s1, s2 = (torch.rand(q.shape[0], generator=rng) * 1e-3 + 1e-4 for q in (q1, q2))
+    bias = torch.randn(9, generator=rng)
+    plains = [PlainLinear(column_major, bias=bias), PlainLinear(q1, scale=s1, convrot=16),
+              PlainLinear(q2, scale=s2)]
+    zn = z.double() * fac
+    refs = [zn @ column_major.double().T + bias.double(), zn @ comfy_weight(q1, s1[:, None], 16).T,
+            zn @ comfy_weight(q2, s2[:, None]).T]
+    rotated = (16, hadamard_rotate(z, hadamard(16)))
+    for out, ref in zip(linear_group(z, plains, rotated=rotated, row_norm=norm), refs):
+        assert rel(out, ref) < 1e-5
+
+
 def test_linear_group_mixes_formats(rng):
     """The fused path's product of one input with projections of several formats (dense in x's
     dtype, int8 with a bias, int8 with ConvRot) equals each one's own reference."""
@@ -194,3 +246,26 @@ def test_gpu_int8_bf16_9b_shapes_and_graph(rows):
     graph.replay()
     for got, want in zip(outs, gemv_group(xr, qs, scales=scales)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_row_norm_bf16_9b(rows, split):
+    """bf16 at the 9B shapes: the deferred norm (``fused_ops.add_rms_norm(defer=True)``) feeding the
+    int8 ConvRot GEMV with ``row_norm`` equals the float64 norm, rotated, times the weight as ComfyUI
+    dequantizes it (split over K as a norm-feeding product is)."""
+    from qwen35_fast.kernels.fused_ops import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(4321 + rows)
+    x = (3 * torch.randn(1, rows, 4096, generator=gen, device="cuda")).to(torch.bfloat16)  # factor ~1/3
+    w = 1 + 0.1 * torch.randn(4096, generator=gen, device="cuda")
+    q = torch.randint(-127, 128, (4096, 4096), generator=gen, device="cuda", dtype=torch.int8)
+    s = torch.rand(4096, 1, generator=gen, device="cuda") * 1e-3 + 1e-4
+    z, _, z_rot, norm = add_rms_norm(x, None, w, 1e-6, rotate=256, defer=True)
+    (out,) = gemv_group(z_rot, [q], scales=[s], split=split, row_norm=norm)
+    if split > 1:
+        out = out.sum(0)
+    xd = x.double()
+    ref = (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * w.double()) @ comfy_weight(q, s, 256).T
+    assert rel(out, ref) < 1e-2

@@ -1,0 +1,38 @@
+"""An RMSNorm whose per-row factor is left to the product that reads its output.
+
+``y = h * rsqrt(mean(h**2) + eps) * w`` is a row of ``z = h * w`` times one number per row, and a
+projection of y is the projection of z times that number. ``fused_ops.add_rms_norm(defer=True)``
+therefore writes z and, per row, float32 partial sums of squares of h (one per program, each over
+its own columns): no program reads the whole row. The product that reads z
+(``gemv.gemv_group(row_norm=)``) sums the partials and applies the factor to its float32
+accumulator, before its output is rounded. ``RowNorm`` carries those partials; ``factor`` computes
+the factor in torch for a consumer that is not the GEMV.
+
+Measured on an H200 at the 9B shape (``benchmarks/norm.py``, chained, 1 row): the norm 2.93 ->
+2.36 us with the int8 ConvRot rotation, 2.29 -> 0.89 without; in the whole decode step
+(``benchmarks/comfy_e2e.py``) bf16 216.5 -> 218.4 tok/s, int8 320.1 -> 320.4 / 320.7 (the GEMV's
+extra load costs about what the norm saves there). The GEMV loads the partial sums before its
+weight stream: loaded after it, int8 ran at 299.6 tok/s against 317.2.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["RowNorm", "factor"]
+
+
+class RowNorm(NamedTuple):
+    """The deferred factor of an RMSNorm over rows of width ``n``: ``sq`` float32 ``[..., P]`` (the
+    rows' leading dims, then P partial sums of squares whose sum is the row's), and the norm's eps."""
+
+    sq: torch.Tensor
+    n: int
+    eps: float
+
+
+def factor(norm: RowNorm) -> torch.Tensor:
+    """float32 ``[..., 1]``: ``rsqrt(sum(sq) / n + eps)`` per row, what ``z`` is multiplied by."""
+    return torch.rsqrt(norm.sq.sum(-1, keepdim=True) / norm.n + norm.eps)
