@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .convrot import convrot_group_ok
-from .fused_ops import convrot_tile
+from .fused_ops import convrot_rows
 from .gemv import hadamard_cached, hadamard_rotate
 from .pdl import enter, launch_args, trigger, wait
 
@@ -148,16 +148,21 @@ def _gated_norm_kernel(OUT, Z, NW, H, OROT, so_b, so_s, sz_b, sz_s, eps, HV: tl.
     g = pid % NG
     t = (pid // NG) % S
     b = pid // (NG * S)
-    offs = g * (GH * DV) + tl.arange(0, GH * DV)
+    C: tl.constexpr = 16 if DV >= 16 else DV  # the program's columns as [R, C], as convrot_rows takes them
+    R: tl.constexpr = GH * DV // C
+    r = tl.arange(0, R)
+    offs = g * (GH * DV) + r[:, None] * C + tl.arange(0, C)[None, :]
     ptr = OUT + b * so_b + t * so_s + offs
-    o = tl.reshape(tl.load(ptr).to(tl.float32), (GH, DV))
-    inv = tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)
-    n = _round(tl.reshape(o * inv[:, None] * tl.load(NW + tl.arange(0, DV))[None, :], (GH * DV,)), DT)
+    o = tl.load(ptr).to(tl.float32)
+    sq = tl.sum(o * o, axis=1)  # [R]: each head's rows summed below
+    head = r // (DV // C)
+    sq = tl.sum(tl.where(head[:, None] == head[None, :], sq[None, :], 0.0), axis=1)
+    n = _round(o * tl.rsqrt(sq / DV + eps)[:, None] * tl.load(NW + offs % DV), DT)
     z = tl.load(Z + b * sz_b + t * sz_s + offs).to(tl.float32)
     y = (n * (z * tl.sigmoid(z))).to(DT)
     tl.store(ptr, y)
     if ROT > 0:
-        tl.store(OROT + (b * S + t) * (HV * DV) + offs, convrot_tile(y, H, ROT, GH * DV, IEEE).to(DT))
+        tl.store(OROT + (b * S + t) * (HV * DV) + tl.trans(offs), convrot_rows(y, H, ROT, R, IEEE).to(DT))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -281,9 +286,9 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
 
 def _rotation_heads(rotate: int, hv: int, dv: int) -> int:
     """Value heads per gated-norm program when that kernel can write the ConvRot-``rotate`` output
-    (G 16 or 256 over whole groups of at least 256 columns, as ``fused_ops.convrot_tile`` takes),
-    else 0."""
-    if rotate not in (16, 256):
+    (G 16 or 256 over whole groups of at least 256 columns, heads of at least 16 columns, as
+    ``fused_ops.convrot_rows`` takes them), else 0."""
+    if rotate not in (16, 256) or dv < 16:
         return 0
     width = max(rotate, 256)
     if width % dv or hv % (width // dv):

@@ -22,9 +22,10 @@ Ops (each computes in float32 inside the kernel and stores in the input dtype):
 output ConvRot-rotated in groups of G (``y_g @ H_G`` of the rounded output, float32 products, one
 rounding), which int8 ConvRot projections read directly: the row is in registers once, so the
 rotation costs no launch of its own. Groups of 16 and 256 (``H_256 = H_16 (x) H_16``, two 16-wide
-products) within one program's tile are done in the kernel, other sizes by a ``hadamard_rotate``
-launch after it. ``add_rms_norm`` also sums float32 partial products (a split-K projection), and
-with ``defer=True`` leaves the row's factor to the GEMV reading its output (``kernels/row_norm.py``).
+products, ``convrot_rows``) within one program's tile of 256 to 512 columns are done in the
+kernel, other sizes and wider tiles by a ``hadamard_rotate`` launch after it. ``add_rms_norm``
+also sums float32 partial products (a split-K projection), and with ``defer=True`` leaves the
+row's factor to the GEMV reading its output (``kernels/row_norm.py``).
 
 Each op has a plain-torch twin (``*_torch``; ``rope_tables``': ``engine.rope.Rope.tables``, which
 the engine's torch path calls) doing the identical math; the twins are the fallback
@@ -60,27 +61,43 @@ __all__ = [
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SILU_TILE = 1024  # columns per silu_mul program (no reduction there, so rows are cut into tiles)
+_ROT_TILE_MAX = 512  # the widest tile a kernel rotates itself (``_rotation``)
+_SILU_ROT_TILE = _ROT_TILE_MAX  # silu_mul's tile with the rotation
 _NORM_SLICE = 512  # columns each add_rms_norm program writes (each reads its whole row for the norm)
 
 
 # ------------------------------------------------------------------ kernels
 @triton.jit
-def convrot_tile(y, H, G: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
-    """``[BLOCK]`` values (already in the io dtype) with every group of G (16 or 256) times H_G,
-    float32 out. H points to H_16 ``[16, 16]`` in the io dtype; H_256 = H_16 (x) H_16, so a group
-    as a 16x16 matrix X (X[a, b] = y[16a + b]) becomes H_16 X H_16 (H_16 is symmetric)."""
+def convrot_rows(y, H, G: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
+    """``[R, 16]`` values in the io dtype (row r holds features 16r .. 16r + 15 of the tile) with
+    every group of G (16 or 256) times H_G, float32 out **transposed**: ``[16, R]``, element
+    (j, r) is feature 16r + j (store it at ``tl.trans`` of the input's offsets). H points to H_16
+    ``[16, 16]`` in the io dtype; H_256 = H_16 (x) H_16, so a group as a 16x16 matrix X (rows
+    16g .. 16g + 15 of y) becomes H_16 X H_16 (H_16 is symmetric): first H_16 y^T, then times a
+    block-diagonal ``[R, R]`` matrix of H_16 blocks (float32 products). With y as the right
+    operand of the first product, Triton leaves the kernel's loads and arithmetic in their own
+    layout: as the left operand (and with reshapes of the tile) every loaded tensor went through
+    shared memory first (19 barriers in the deferred norm, 7 now; Triton 3.6, sm90)."""
     c = tl.arange(0, 16)
     h = tl.load(H + c[:, None] * 16 + c[None, :])
-    z = tl.reshape(y, (BLOCK // 16, 16))
     if IEEE:
-        z = tl.dot(z, h, input_precision="ieee")
+        z = tl.dot(h, tl.trans(y), input_precision="ieee")
     else:
-        z = tl.dot(z, h)  # exact products (H_16 holds +-1/4), float32 sums
-    if G == 256:  # the other factor, over a: transpose each group, multiply, transpose back
-        z = tl.reshape(tl.permute(tl.reshape(z, (BLOCK // 256, 16, 16)), (0, 2, 1)), (BLOCK // 16, 16))
-        z = tl.dot(z, h.to(tl.float32), input_precision="ieee")
-        z = tl.permute(tl.reshape(z, (BLOCK // 256, 16, 16)), (0, 2, 1))
-    return tl.reshape(z, (BLOCK,))
+        z = tl.dot(h, tl.trans(y))  # exact products (H_16 holds +-1/4), float32 sums
+    if G == 256:  # the other factor, over the 16 rows of each group
+        r = tl.arange(0, R)
+        same = (r[:, None] // 16) == (r[None, :] // 16)
+        blocks = tl.load(H + (r[:, None] % 16) * 16 + r[None, :] % 16, mask=same, other=0.0)
+        z = tl.dot(z, blocks.to(tl.float32), input_precision="ieee")
+    return z
+
+
+@triton.jit
+def tile_cols(start, COLS: tl.constexpr):
+    """Column indices ``start + [0, COLS)`` as ``[COLS // 16, 16]`` (``[1, COLS]`` below 16), the
+    shape ``convrot_rows`` takes."""
+    C: tl.constexpr = 16 if COLS >= 16 else COLS
+    return start + tl.arange(0, COLS // C)[:, None] * C + tl.arange(0, C)[None, :]
 
 
 @triton.jit
@@ -112,16 +129,16 @@ def _add_rms_norm_kernel(
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = Y.dtype.element_ty
-    sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+    sc = tile_cols(tl.program_id(1) * SLICE, SLICE)  # [SLICE // 16, 16], as convrot_rows takes it
     ok = sc < n_cols
     w = tl.load(W + sc * sw, mask=ok, other=0.0)
     if DEFER:
         hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
-        tl.store(SQ + row * tl.num_programs(1) + tl.program_id(1), tl.sum(hs * hs, 0))
+        tl.store(SQ + row * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(hs * hs, 1), 0))
         y = (hs * w).to(DT)
     elif SLICE == BLOCK:  # one program per row
         hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
-        y = (hs * tl.rsqrt(tl.sum(hs * hs, 0) / n_cols + eps) * w).to(DT)
+        y = (hs * tl.rsqrt(tl.sum(tl.sum(hs * hs, 1), 0) / n_cols + eps) * w).to(DT)
     else:
         hs = _residual_rows(X, R, row, sx, sr, sr_p, sc, ok, HAS_RES, PARTS, DT)
         cols = tl.arange(0, BLOCK)
@@ -131,7 +148,8 @@ def _add_rms_norm_kernel(
         tl.store(HOUT + row * n_cols + sc, hs.to(DT), mask=ok)
     tl.store(Y + row * n_cols + sc, y, mask=ok)
     if ROT > 0:
-        tl.store(YROT + row * n_cols + sc, convrot_tile(y, H, ROT, SLICE, IEEE).to(DT), mask=ok)
+        tl.store(YROT + row * n_cols + tl.trans(sc), convrot_rows(y, H, ROT, SLICE // 16, IEEE).to(DT),
+                 mask=tl.trans(ok))
 
 
 @triton.jit
@@ -217,7 +235,7 @@ def _silu_mul_kernel(G, U, OUT, H, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tile_cols(tl.program_id(1) * BLOCK, BLOCK)  # [BLOCK // 16, 16], as convrot_rows takes it
     ok = cols < n_cols
     g = tl.load(G + row * sg + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + row * su + cols, mask=ok, other=0.0).to(tl.float32)
@@ -225,8 +243,8 @@ def _silu_mul_kernel(G, U, OUT, H, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE
     out = (act * u).to(OUT.dtype.element_ty)
     tl.store(OUT + row * n_cols + cols, out, mask=ok)
     if ROT > 0:
-        tl.store(OROT + row * n_cols + cols, convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty),
-                 mask=ok)
+        tl.store(OROT + row * n_cols + tl.trans(cols),
+                 convrot_rows(out, H, ROT, BLOCK // 16, IEEE).to(OUT.dtype.element_ty), mask=tl.trans(ok))
 
 
 @triton.jit
@@ -241,7 +259,7 @@ def _sigmoid_gate_kernel(
     h = pid % n_heads
     s = (pid // n_heads) % n_rows
     b = pid // (n_heads * n_rows)
-    cols = tl.arange(0, BLOCK)
+    cols = tile_cols(0, BLOCK)  # [BLOCK // 16, 16], as convrot_rows takes it
     ok = cols < d
     o = tl.load(ATT + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + s.to(tl.int64) * so_s + cols,
                 mask=ok, other=0.0).to(tl.float32)
@@ -252,7 +270,8 @@ def _sigmoid_gate_kernel(
     out = (o * sig).to(OUT.dtype.element_ty)
     tl.store(OUT + at, out, mask=ok)
     if ROT > 0:
-        tl.store(OROT + at, convrot_tile(out, H, ROT, BLOCK, IEEE).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(OROT + tl.trans(at), convrot_rows(out, H, ROT, BLOCK // 16, IEEE).to(OUT.dtype.element_ty),
+                 mask=tl.trans(ok))
 
 
 # ------------------------------------------------------------------ helpers
@@ -263,13 +282,15 @@ def fused_ops_reason(t: torch.Tensor) -> str | None:
 
 def _rotation(op: str, rotate: int, width: int, block: int, t: torch.Tensor):
     """``(G, H_16 pointer tensor)`` when the kernel rotates its tile itself, ``(0, t)`` when not
-    (no rotation, or one ``hadamard_rotate`` launch after it). Checks G."""
+    (no rotation, or one ``hadamard_rotate`` launch after it). Checks G. Tiles of 256 to
+    ``_ROT_TILE_MAX`` columns rotate in the kernel (``convrot_rows``' block-diagonal product grows
+    as the tile squared: a 4096-column tile would need 272 KB of shared memory)."""
     if not rotate:
         return 0, t
     if not convrot_group_ok(rotate) or width % rotate:
         raise ValueError(f"{op}: rotate={rotate} must be a ConvRot group size (a power of 4) that divides "
                          f"the width {width}")
-    if rotate in (16, 256) and block >= 256 and block % rotate == 0:
+    if rotate in (16, 256) and 256 <= block <= _ROT_TILE_MAX and block % rotate == 0:
         return rotate, hadamard_cached(16, t.device, t.dtype)
     return 0, t
 
@@ -625,7 +646,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, rotate: int = 0):
     g2, u2 = _rows(op, "g", g), _rows(op, "u", u)
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     n = g.shape[-1]
-    block = min(triton.next_power_of_2(max(n, 1)), _SILU_TILE)
+    block = min(triton.next_power_of_2(max(n, 1)), _SILU_ROT_TILE if rotate else _SILU_TILE)
     fused, hmat = _rotation(op, rotate, n, block, g)
     out_rot = torch.empty(g.shape, dtype=g.dtype, device=g.device) if fused else out
     if out.numel() == 0:

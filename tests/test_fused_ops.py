@@ -596,6 +596,24 @@ def test_gpu_bf16_9b_shapes(s):
 
 
 @gpu
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("config", [(512, 4), (4096, 8), (4096, 16)])
+def test_gpu_rotated_norm_every_config(config, defer):
+    """bf16 at the 9B width, every column count per program the benchmark tries: the tiles up to
+    512 columns rotate in the kernel, wider ones (whose in-kernel rotation needs more shared memory
+    than an H200 has) through a rotation launch after it, with the same result."""
+    gen = _gpu_gen()
+    x, parts = _cuda_randn(gen, 1, 2, 4096), torch.randn(4, 1, 2, 4096, generator=gen, device="cuda")
+    w = 1 + 0.1 * torch.randn(4096, generator=gen, device="cuda")
+    out = fo.add_rms_norm(x, parts, w, EPS, rotate=256, config=config, defer=defer)
+    y, y_rot = out[0], out[2]
+    assert_matches(y_rot, kitchen_rotate(y, 256), 2 * TOL[torch.bfloat16], "y_rot")
+    y_ref, h_ref = oracle_add_rms_norm(x, rnd(parts.double().sum(0), x.dtype).to(x.dtype), w, EPS)
+    assert_matches(out[1], h_ref, TOL[torch.bfloat16], "h")
+    assert_matches(y, rnd(h_ref * w.double(), x.dtype) if defer else y_ref, TOL[torch.bfloat16], "y")
+
+
+@gpu
 def test_gpu_graph_capture_replay():
     """All four ops captured in one CUDA graph; new input contents replay to the eager result."""
     gen = _gpu_gen()
