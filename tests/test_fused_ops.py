@@ -599,7 +599,7 @@ def test_gpu_bf16_9b_shapes(s):
 @pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("config", [(512, 4), (4096, 8), (4096, 16)])
 def test_gpu_rotated_norm_every_config(config, defer):
-    """bf16 at the 9B width, every column count per program the benchmark tries: the tiles up to
+    """bf16 at the 9B width, column counts per program the benchmark tries: the tiles up to
     512 columns rotate in the kernel, wider ones (whose in-kernel rotation needs more shared memory
     than an H200 has) through a rotation launch after it, with the same result."""
     gen = _gpu_gen()
