@@ -61,8 +61,7 @@ __all__ = [
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SILU_TILE = 1024  # columns per silu_mul program (no reduction there, so rows are cut into tiles)
-_ROT_TILE_MAX = 512  # the widest tile a kernel rotates itself (``_rotation``)
-_SILU_ROT_TILE = _ROT_TILE_MAX  # silu_mul's tile with the rotation
+_ROT_TILE_MAX = 512  # the widest tile a kernel rotates itself (``_rotation``; silu_mul's tile with it)
 _NORM_SLICE = 512  # columns each add_rms_norm program writes (each reads its whole row for the norm)
 
 
@@ -646,7 +645,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, rotate: int = 0):
     g2, u2 = _rows(op, "g", g), _rows(op, "u", u)
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     n = g.shape[-1]
-    block = min(triton.next_power_of_2(max(n, 1)), _SILU_ROT_TILE if rotate else _SILU_TILE)
+    block = min(triton.next_power_of_2(max(n, 1)), _ROT_TILE_MAX if rotate else _SILU_TILE)
     fused, hmat = _rotation(op, rotate, n, block, g)
     out_rot = torch.empty(g.shape, dtype=g.dtype, device=g.device) if fused else out
     if out.numel() == 0:
