@@ -153,6 +153,7 @@ class FusedPlan:
         self.deferred: set[str] = set()
         self._rotated: tuple | None = None
         self.embedding: torch.Tensor | None = None  # the embedding table read in place, or None
+        self.prefetch: dict[int, torch.Tensor] = {}  # see _prefetch_chain
 
     @classmethod
     def build(cls, binding, device, dtype: torch.dtype) -> tuple[FusedPlan | None, str | None]:
@@ -226,7 +227,27 @@ class FusedPlan:
         plan.deferred = {key for key, readers in plan._norm_readers(binding).items()
                          if all(id(m) in linears for m in readers)}
         plan.embedding = _embedding_table(weights, binding.transformer.embed_tokens, device)
+        plan.prefetch = plan._prefetch_chain(binding)
         return plan, None
+
+    def _prefetch_chain(self, binding) -> dict[int, torch.Tensor]:
+        """``id(first module of a product) -> the next product's first weight`` along a decode step
+        (each layer's mixer input, mixer output, gate/up and down, then the output projection), for
+        the products read in place whose successor is too."""
+        cfg, chain = binding.config, []
+        for i, layer in enumerate(binding.layers):
+            if cfg.layer_types[i] == "linear_attention":
+                chain += [layer.linear_attn.in_proj_qkv, layer.linear_attn.out_proj]
+            else:
+                chain += [layer.self_attn.q_proj, layer.self_attn.o_proj]
+            chain += list(_mlp_parts(layer.mlp, f"layers.{i}.mlp")[::2])
+        chain.append(binding.output_module)
+        out = {}
+        for a, b in zip(chain, chain[1:]):
+            pa, pb = self.linears.get(id(a)), self.linears.get(id(b))
+            if pa is not None and pb is not None:
+                out[id(a)] = pb.weight
+        return out
 
     def _rotation_of(self, modules) -> int:
         """The ConvRot group size of the first int8 ConvRot projection among ``modules`` (0: none)."""
@@ -281,7 +302,7 @@ class FusedPlan:
         if plain is None:
             return module(x)
         split = self._split(plain) if into_norm else 1
-        return linear_rows(x, plain, rotated=rotated, split=split)
+        return linear_rows(x, plain, rotated=rotated, split=split, prefetch=self.prefetch.get(id(module)))
 
     def _split(self, plain) -> int:
         from ..kernels import gemv
@@ -294,11 +315,12 @@ class FusedPlan:
         norm output (``norm``), whose factor the GEMV applies."""
         plains = [self.linears.get(id(m)) for m in modules]
         if all(p is not None for p in plains):
+            nxt = self.prefetch.get(id(modules[0]))
             if isinstance(x, Deferred):
-                return linear_group(x.rows, plains, rotated=x.rotated, row_norm=x.norm)
+                return linear_group(x.rows, plains, rotated=x.rotated, row_norm=x.norm, prefetch=nxt)
             last = self._rotated
             rotated = (last[1], last[2]) if last is not None and last[0] is x else None
-            return linear_group(x, plains, rotated=rotated)
+            return linear_group(x, plains, rotated=rotated, prefetch=nxt)
         if isinstance(x, Deferred):  # a module reads it: the norm's output itself
             x = x.materialize()
         return [self.lin(m, x) for m in modules]

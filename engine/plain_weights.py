@@ -51,7 +51,8 @@ def _kernels():
 
 
 def linear_rows(x: torch.Tensor, w: PlainLinear, *, rotated: tuple[int, torch.Tensor] | None = None,
-                split: int = 1, row_norm: RowNorm | None = None) -> torch.Tensor:
+                split: int = 1, row_norm: RowNorm | None = None,
+                prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """x ``[..., K]`` (at most 16 rows in all, execution dtype) -> ``[..., N]`` in x's dtype.
     ``rotated`` and ``row_norm`` as for ``linear_group``. ``split=P > 1`` with a bias-free weight the
     GEMV takes: float32 partial products ``[P', ..., N]`` over K ranges instead
@@ -61,8 +62,8 @@ def linear_rows(x: torch.Tensor, w: PlainLinear, *, rotated: tuple[int, torch.Te
     if split > 1 and w.bias is None and gemv.gemv_reason(x, w.weight, w.scale) is None:
         src, rot = _source(x, w.convrot, rotated)
         return gemv.gemv_group(src, [w.weight], scales=None if w.scale is None else [w.scale], convrot=rot,
-                               split=split, row_norm=row_norm)[0]
-    return linear_group(x, [w], rotated=rotated, row_norm=row_norm)[0]
+                               split=split, row_norm=row_norm, prefetch=prefetch)[0]
+    return linear_group(x, [w], rotated=rotated, row_norm=row_norm, prefetch=prefetch)[0]
 
 
 def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, int]:
@@ -74,7 +75,7 @@ def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | Non
 
 def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
                  rotated: tuple[int, torch.Tensor] | None = None,
-                 row_norm: RowNorm | None = None) -> list[torch.Tensor]:
+                 row_norm: RowNorm | None = None, prefetch: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``[linear_rows(x, w) for w in weights]`` as few launches: the Triton GEMV takes up to four
     weights of one kind per launch (int8 of one ConvRot group size, x rotated once for them; fp8 of
     one format; or weights in x's dtype); weights it cannot take (another dtype) go through ``F.linear``.
@@ -102,7 +103,7 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
             part = idx[start:start + gemv.MAX_GROUP]
             ys = gemv.gemv_group(src, [weights[i].weight for i in part],
                                  scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
-                                 convrot=rot, row_norm=row_norm)
+                                 convrot=rot, row_norm=row_norm, prefetch=prefetch)
             for i, y in zip(part, ys):
                 b = weights[i].bias
                 outs[i] = y if b is None else y + b

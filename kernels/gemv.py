@@ -21,8 +21,20 @@ inside the kernel.
 input projections, q/k/v, gate/up). ``split=P`` cuts K into P ranges with programs of their own and
 returns float32 partials for a consumer that sums them: a 4096-wide output has only 128 programs of
 32 columns, too few to keep the memory system busy (``split_k``). ``row_norm`` multiplies each
-row's result by the RMSNorm factor a deferred norm left to it (``kernels/row_norm.py``). What was
-measured slower on an H200 and removed (``benchmarks/int8_gemv.py``): the SiLU product computed inside the down
+row's result by the RMSNorm factor a deferred norm left to it (``kernels/row_norm.py``).
+
+``prefetch=w``: the decode step passes each product the weight of the product after it
+(``FusedPlan._prefetch_chain``); each program, after storing its own result, asks L2 for its share
+of the first ``PREFETCH_BYTES`` of w (``prefetch.global.L2``, nothing waits for it), so DRAM keeps
+reading while this product drains and the small kernel between the two runs. Only with overlapped
+launches (``pdl_reason``), where it was measured: H200, 9B int8 in ComfyUI, MTP off, two processes
+each, interleaved: 323.8 / 324.0 tok/s without, 326.8 / 326.9 with 8 MB, 326.0 / 326.2 with 4 MB,
+318.8 / 318.7 with 16 MB; 323.4 against 325.0 on another machine. Measured and not taken: the small
+kernels issuing the same prefetch themselves after their own loads (4 MB: 275 tok/s, 8 MB: 235:
+their few programs cannot issue that many lines quickly, and the product waits for them), or
+through 128 prefetch-only programs of their own (8 MB: 310.5 against 323.4).
+
+What was measured slower on an H200 and removed (``benchmarks/int8_gemv.py``): the SiLU product computed inside the down
 projection's tiles (every program recomputes it per tile: 99 us against 33 for ``silu_mul`` +
 cuBLAS), the ConvRot rotation inside the product's tiles (two 16-wide products and layout shuffles
 per tile: 17 us against 12 for a rotation launch + the product at 4096x4096), one-row products on
@@ -35,11 +47,13 @@ program normalizing whole rows after the product costs more than the norm kernel
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, triton_device_reason
+from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 from .pdl import enter, launch_args, trigger, wait
 from .row_norm import RowNorm
@@ -49,6 +63,9 @@ __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "h
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
+#: Bytes of the next product's weight a product asks L2 for (``gemv_group(prefetch=)``): 8 MB measured
+#: best of 4, 8 and 16 (``QWEN35_FAST_L2_PREFETCH_KB`` overrides; 0 turns it off).
+PREFETCH_BYTES = int(os.environ.get("QWEN35_FAST_L2_PREFETCH_KB", "8192")) << 10
 
 
 @triton.jit
@@ -78,6 +95,27 @@ def _e4m3_bf16(w):
         fma.rn.bf16x2 $1, t1, k, z;
         }""",
         constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _l2_prefetch(p, ok):
+    """Ask L2 for the 128-byte line holding each address of ``p`` where ``ok`` (no data comes back)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred q; setp.ne.b32 q, $2, 0; @q prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        constraints="=r,l,r", args=[p, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_share(P, n_lines, BLOCK: tl.constexpr):
+    # This program's share of the n_lines 128-byte lines from byte pointer P (split evenly over the
+    # grid), BLOCK lines at a time.
+    prog = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    per = tl.cdiv(n_lines, tl.num_programs(0) * tl.num_programs(1))
+    lo = prog * per
+    hi = tl.minimum(lo + per, n_lines)
+    for j in range(lo, hi, BLOCK):
+        i = j + tl.arange(0, BLOCK)
+        _l2_prefetch(P + i.to(tl.int64) * 128, i < hi)
 
 
 @triton.jit
@@ -141,10 +179,10 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_
 @triton.jit
 def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER, N0, N1, N2, N3, E0, E1, E2,
                  sx_m, sw0, sw1, sw2, sw3, ss0, ss1, ss2, ss3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
-                 NRM, n_nrm, s_nrm, n_mean, eps,
+                 NRM, n_nrm, s_nrm, n_mean, eps, PF, n_pf,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PDL: tl.constexpr, FP8: tl.constexpr, ROW_NORM: tl.constexpr):
+                 PDL: tl.constexpr, FP8: tl.constexpr, ROW_NORM: tl.constexpr, PREFETCH: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
     pid = tl.program_id(0)
     if pid < E0:
@@ -159,6 +197,8 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
     elif COUNT > 3:
         _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean, eps,
               QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
+    if PREFETCH:  # after this program's product: the next product's first weight lines into L2
+        _prefetch_share(PF, n_pf, 128)
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
@@ -255,7 +295,8 @@ def hadamard_cached(group: int, device: torch.device, dtype: torch.dtype) -> tor
 
 def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[torch.Tensor] | None = None,
                convrot: int = 0, config: tuple[int, int, int, int] | None = None,
-               split: int = 1, row_norm: RowNorm | None = None) -> list[torch.Tensor]:
+               split: int = 1, row_norm: RowNorm | None = None,
+               prefetch: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch (1..4 weights ``[N_i, K]``, row-major, one dtype).
 
     x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 / fp8
@@ -269,7 +310,9 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     (``fused_ops.add_rms_norm`` with ``x`` as the partials). ``row_norm``: x is an RMSNorm's output
     without its per-row factor (``kernels/row_norm.py``, ``sq`` ``[..., P]`` with x's leading dims):
     every product's float32 accumulator (each partial's, with ``split``) is multiplied by the
-    factor before the output is rounded.
+    factor before the output is rounded. ``prefetch``: the weight (any dtype, contiguous) the next
+    product will stream; each program, once its own product is stored, asks L2 for its share of
+    that weight's first ``PREFETCH_BYTES`` (see the module docstring; nothing else changes).
     """
     if split < 1:
         raise ValueError(f"gemv_group: split must be >= 1, got {split}")
@@ -306,18 +349,30 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         total += triton.cdiv(n, block_n)
         ends.append(total)
     pad = MAX_GROUP - len(weights)
+    pf = _prefetch_args(prefetch, x.device) or (x2, 0)
     ws = [w.view(torch.uint8) for w in weights] if fp8 else list(weights)  # fp8 as bytes, bitcast in the kernel
     ws, ys, ss = ws + [ws[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
     _gemv_kernel[(total, parts)](
         x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
         *(int(quant and s.numel() > 1) for s in ss), *(y.stride(-2) for y in ys),
-        *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5],
+        *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,
         COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-        FP8=fp8, ROW_NORM=nrm[5], **launch_args(x.device),
+        FP8=fp8, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, **launch_args(x.device),
     )
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
+
+
+def _prefetch_args(w: torch.Tensor | None, device: torch.device) -> tuple | None:
+    """The kernel's (PF, n_pf) for ``gemv_group(prefetch=w)``: w's first ``PREFETCH_BYTES`` as
+    bytes and their count of 128-byte lines, where the prefetch runs (a contiguous ``w`` on
+    ``device``, where ``capabilities.pdl_reason`` allows overlapped launches: the setting it was
+    measured in), else None."""
+    if w is None or PREFETCH_BYTES <= 0 or w.device != device or not w.is_contiguous() \
+            or pdl_reason(device) is not None:
+        return None
+    return w.reshape(-1).view(torch.uint8), min(PREFETCH_BYTES, w.numel() * w.element_size()) // 128
 
 
 def _row_norm_args(row_norm: RowNorm, x: torch.Tensor, m: int) -> tuple:

@@ -20,7 +20,9 @@ Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-pla
 bf16 +0.8% in the latest full run; int8 +4% before the decode loop ran ahead of the host. A GEMV that
 also asked L2 for its first weight lines before its wait gained nothing (1 KB per row) or lost 10%
 (whole rows), and one that loaded its first weight tile into registers before the wait lost 1.3%
-(both removed), though pure-read kernels gain 3% that way (``benchmarks/read_chain.py``).
+(both removed), though pure-read kernels gain 3% that way (``benchmarks/read_chain.py``). What
+does gain: the product before asking L2 for the next one's weight once its own result is stored
+(``gemv_group(prefetch=)``).
 
 ``launch_args(device)`` gives the launch keywords (``PDL`` and ``launch_pdl``) that
 ``capabilities.pdl_reason`` allows; elsewhere (interpreter, ROCm, pre-Hopper, Triton < 3.4,

@@ -216,3 +216,34 @@ def test_a_triton_without_overlapped_launches_is_said_once(model, caplog, monkey
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("install Triton 3.4 or newer" in w for w in warnings) == warned, warnings
         assert any(f"overlapped launches off ({reason})" in r.getMessage() for r in caplog.records)
+
+
+def test_each_product_prefetches_the_next_products_weight(model, rng, monkeypatch):
+    """Along a decode step (main layers, then the output projection), each product is asked to
+    prefetch the weight of the product launched after it into L2, the last none: the oracle is the
+    order in which the step actually launches its products, recorded."""
+    from qwen35_fast.kernels import gemv
+
+    launched = []
+    real_gemv = gemv.gemv_group
+
+    def product(x, weights, **kw):
+        launched.append((weights[0], kw.get("prefetch")))
+        return real_gemv(x, weights, **kw)
+
+    monkeypatch.setattr(gemv, "gemv_group", product)
+    model, d = model
+    _, fused = _runners(model, torch.randn(1, 7, d["hidden_size"], generator=rng))
+    fused.binding.plain_output = fused.fused.output  # as engine/stack.py sets it
+    assert fused.fused.output is not None
+    start = 7
+    for rows in (1, 4):
+        launched.clear()
+        x = torch.randn(1, rows, d["hidden_size"], generator=rng)
+        fused.forward_logits(x, torch.arange(start, start + rows).expand(3, rows))
+        fused.cache.commit()
+        start += rows
+        assert len(launched) == 4 * d["num_hidden_layers"] + 1  # mixer in, mixer out, gate/up, down; the output
+        for (_, asked), (nxt, _) in zip(launched, launched[1:]):
+            assert asked is nxt, "a product that did not prefetch the next one's weight"
+        assert launched[-1][1] is None

@@ -269,3 +269,39 @@ def test_gpu_row_norm_bf16_9b(rows, split):
     xd = x.double()
     ref = (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * w.double()) @ comfy_weight(q, s, 256).T
     assert rel(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_prefetching_the_next_weight_changes_nothing(rows, split):
+    """``prefetch=`` (the next product's weight into L2 after each program's own) is on where
+    overlapped launches are, and the product equals the same launch without it bit for bit; in a
+    graph too."""
+    from qwen35_fast.kernels import gemv as gemv_mod
+    from qwen35_fast.kernels.capabilities import pdl_reason
+
+    w = torch.zeros(8, 128, dtype=torch.int8, device="cuda")
+    args = gemv_mod._prefetch_args(w, w.device)
+    if pdl_reason(w.device) is None and gemv_mod.PREFETCH_BYTES > 0:
+        assert args is not None and args[0].data_ptr() == w.data_ptr() and args[1] == w.numel() // 128
+    else:
+        assert args is None
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    qs = [torch.randint(-127, 128, (n, 4096), generator=gen, dtype=torch.int8, device="cuda") for n in (4096, 1024)]
+    scales = [torch.rand(q.shape[0], generator=gen, device="cuda") * 1e-3 + 1e-4 for q in qs]
+    nxt = torch.randint(-127, 128, (12288, 4096), generator=gen, dtype=torch.int8, device="cuda")
+    x = torch.randn(1, rows, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    plain = gemv_group(x, qs if split == 1 else qs[:1], scales=scales if split == 1 else scales[:1], split=split)
+    fetched = gemv_group(x, qs if split == 1 else qs[:1], scales=scales if split == 1 else scales[:1], split=split,
+                         prefetch=nxt)
+    for a, b in zip(plain, fetched):
+        assert torch.equal(a, b)
+    one = gemv_group(x, qs[:1], scales=scales[:1], split=split)
+    gemv_group(x, qs[:1], scales=scales[:1], split=split, prefetch=nxt)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv_group(x, qs[:1], scales=scales[:1], split=split, prefetch=nxt)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], one[0])
