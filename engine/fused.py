@@ -240,7 +240,8 @@ class FusedPlan:
                 chain += [layer.linear_attn.in_proj_qkv, layer.linear_attn.out_proj]
             else:
                 chain += [layer.self_attn.q_proj, layer.self_attn.o_proj]
-            chain += list(_mlp_parts(layer.mlp, f"layers.{i}.mlp")[::2])
+            gate, _, down = _mlp_parts(layer.mlp, f"layers.{i}.mlp")
+            chain += [gate, down]
         chain.append(binding.output_module)
         out = {}
         for a, b in zip(chain, chain[1:]):

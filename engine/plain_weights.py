@@ -82,7 +82,8 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
     x ``[..., K]``, at most 16 rows. ``rotated=(G, x_rot)``: x already ConvRot-rotated in groups of
     G (by the kernel that produced x): the ConvRot-G weights read x_rot, no rotation launch.
     ``row_norm``: x (and x_rot) is an RMSNorm's output without its per-row factor
-    (``kernels/row_norm.py``): every product is multiplied by it before the bias."""
+    (``kernels/row_norm.py``): every product is multiplied by it before the bias. ``prefetch``: the
+    next product's weight, for the last GEMV launch to ask L2 for (``gemv_group(prefetch=)``)."""
     gemv = _kernels()
     outs: list[torch.Tensor | None] = [None] * len(weights)
     kinds: dict[tuple, list[int]] = {}
@@ -97,16 +98,17 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
         else:
             y = (F.linear(x, w.weight).float() * factor(row_norm)).to(x.dtype)
             outs[i] = y if w.bias is None else y + w.bias
-    for (_, group), idx in kinds.items():
+    launches = [(group, idx[start:start + gemv.MAX_GROUP]) for (_, group), idx in kinds.items()
+                for start in range(0, len(idx), gemv.MAX_GROUP)]
+    for n, (group, part) in enumerate(launches):
         src, rot = _source(x, group, rotated)
-        for start in range(0, len(idx), gemv.MAX_GROUP):
-            part = idx[start:start + gemv.MAX_GROUP]
-            ys = gemv.gemv_group(src, [weights[i].weight for i in part],
-                                 scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
-                                 convrot=rot, row_norm=row_norm, prefetch=prefetch)
-            for i, y in zip(part, ys):
-                b = weights[i].bias
-                outs[i] = y if b is None else y + b
+        last = n == len(launches) - 1  # the launch the next product follows: it alone prefetches
+        ys = gemv.gemv_group(src, [weights[i].weight for i in part],
+                             scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
+                             convrot=rot, row_norm=row_norm, prefetch=prefetch if last else None)
+        for i, y in zip(part, ys):
+            b = weights[i].bias
+            outs[i] = y if b is None else y + b
     return outs
 
 
