@@ -64,7 +64,10 @@ GROUP = 256
 #: --sweep: configs (BLOCK_N, BLOCK_K, warps, stages) and, per group, the K ranges
 SWEEP = [(32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 4, 5), (32, 128, 4, 6), (32, 256, 4, 2), (32, 256, 4, 3),
          (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 2), (64, 256, 4, 3), (64, 256, 4, 4),
-         (16, 256, 4, 4), (16, 512, 4, 3), (128, 128, 4, 3)]
+         (16, 256, 4, 4), (16, 512, 4, 3), (128, 128, 4, 3),
+         # fewer warps read the 16-row x tile from shared memory fewer times; more stages, more bytes in flight
+         (32, 128, 2, 5), (32, 256, 2, 4), (64, 128, 2, 5), (64, 256, 2, 4), (32, 256, 1, 4), (32, 256, 4, 6),
+         (64, 256, 4, 5), (64, 128, 4, 8), (128, 128, 4, 5), (128, 256, 4, 3)]
 SWEEP_SPLITS = {"mlp down": (2, 4, 6), "deltanet out": (2, 4), "attn o": (2, 4)}
 
 
@@ -91,7 +94,12 @@ def sweep_int8(bw: float) -> list[dict]:
         timed = []
         for cfg in SWEEP:
             for p in SWEEP_SPLITS.get(name, (1,)):
-                us = chained_us(lambda ws, p=p, cfg=cfg: gemv_group(x, ws, scales=scales, config=cfg, split=p), sets)
+                try:
+                    us = chained_us(lambda ws, p=p, cfg=cfg: gemv_group(x, ws, scales=scales, config=cfg, split=p),
+                                    sets)
+                except triton.runtime.errors.OutOfResources:  # the group's tile loops need more shared memory
+                    torch.cuda.synchronize()
+                    continue
                 timed.append({"config": cfg, "split": p, "us": us})
         del sets
         timed.sort(key=lambda r: r["us"])

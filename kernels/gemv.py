@@ -42,7 +42,14 @@ the CUDA cores instead of the tensor cores (2-3x slower), the weight tile as the
 operand (no faster at any shape), and the next residual add + RMSNorm done by a split-K product's
 last program (a device finish counter, the row normalized in 512-column pieces: 278 against 312
 tok/s int8 9B MTP off, 518 against 787 with forced MTP-3 at 4096 in one ``comfy_e2e.py`` run: one
-program normalizing whole rows after the product costs more than the norm kernel's launch).
+program normalizing whole rows after the product costs more than the norm kernel's launch), and
+one tile loop for the whole group, the program's weight picked by scalars before it: that
+reserves one weight's pipeline buffers instead of one set per weight (Triton reserves each
+branch's buffers apart), 32 KB instead of 128 KB per DeltaNet-inputs program and 72 KB instead of
+144 KB for gate/up, and is as fast launch by launch (``int8_gemv.py --sweep``), yet the 9B int8
+step in ComfyUI ran 307.0 / 306.6 tok/s against 328.5 / 328.6 (forced MTP-3 791 against 844, bf16
+212.0 against 217.7). A likely cause, not measured: with less shared memory per program more of a
+product's programs share each SM, and the kernels launched behind it find less room.
 """
 
 from __future__ import annotations
@@ -183,7 +190,9 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  PDL: tl.constexpr, FP8: tl.constexpr, ROW_NORM: tl.constexpr, PREFETCH: tl.constexpr):
-    # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts).
+    # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts). A
+    # tile loop per weight, each with buffers of its own: one shared loop measured slower in the
+    # decode step (module docstring).
     pid = tl.program_id(0)
     if pid < E0:
         _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps,

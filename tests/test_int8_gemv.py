@@ -248,6 +248,34 @@ def test_gpu_int8_bf16_9b_shapes_and_graph(rows):
         assert torch.equal(got, want)
 
 
+#: The 9B decode products (output widths of one launch, K), each under the launch config and K
+#: split ``kernels.gemv`` picks for it: DeltaNet inputs, attention q/k/v, gate/up, the outputs that
+#: feed a norm (DeltaNet out / attention o, MLP down).
+NINE_B_PRODUCTS = [((8192, 4096, 32, 32), 4096), ((8192, 1024, 1024), 4096), ((12288, 12288), 4096),
+                   ((4096,), 4096), ((4096,), 12288)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("ns,k", NINE_B_PRODUCTS, ids=[f"{sum(ns)}x{k}" for ns, k in NINE_B_PRODUCTS])
+def test_gpu_int8_9b_products_under_their_picked_configs(ns, k, rows):
+    """Every 9B decode product, bf16 rows, under the config and split the kernel picks for it, equals
+    x @ W.T in float64 with W as ComfyUI dequantizes it (ConvRot 256)."""
+    from qwen35_fast.kernels.gemv import split_k
+
+    gen = torch.Generator(device="cuda").manual_seed(97 + rows + len(ns) + k)
+    h = hadamard(256, device="cuda")
+    x = torch.randn(1, rows, k, generator=gen, device="cuda").to(torch.bfloat16)
+    qs = [torch.randint(-127, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8) for n in ns]
+    scales = [torch.rand(n, 1, generator=gen, device="cuda") * 1e-3 + 1e-4 for n in ns]
+    split = split_k(ns[0], k, True) if len(ns) == 1 else 1
+    outs = gemv_group(hadamard_rotate(x, h), qs, scales=scales, split=split)
+    for out, q, s in zip(outs, qs, scales):
+        got = out.sum(0) if split > 1 else out
+        assert got.shape == (1, rows, q.shape[0])
+        assert rel(got, x.double() @ comfy_weight(q, s, 256).T) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("rows", [1, 4])
@@ -287,7 +315,7 @@ def test_gpu_prefetching_the_next_weight_changes_nothing(rows, split):
         assert args is not None and args[0].data_ptr() == w.data_ptr() and args[1] == w.numel() // 128
     else:
         assert args is None
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator(device="cuda").manual_seed(5678 + 10 * rows + split)
     qs = [torch.randint(-127, 128, (n, 4096), generator=gen, dtype=torch.int8, device="cuda") for n in (4096, 1024)]
     scales = [torch.rand(q.shape[0], generator=gen, device="cuda") * 1e-3 + 1e-4 for q in qs]
     nxt = torch.randint(-127, 128, (12288, 4096), generator=gen, dtype=torch.int8, device="cuda")
