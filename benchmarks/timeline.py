@@ -71,10 +71,11 @@ def _stats(kernels, host_gap_us: float, one_off_us: float) -> dict:
     return {"busy": busy, "short": short, "long": long, "names": names, "where": where}
 
 
-def _one_step(kernels, marker: str = "ArgMax") -> list[dict]:
-    """The kernels between two consecutive ``marker`` kernels in the middle of a trace (MTP off: the
-    greedy draw ends each step), in GPU order: name, start after the first one's end, duration."""
-    at = [i for i, (_s, _e, name) in enumerate(kernels) if marker in name]
+def _one_step(kernels, markers: tuple[str, ...] = ("_argmax_final_kernel", "ArgMax")) -> list[dict]:
+    """The kernels between two consecutive marker kernels in the middle of a trace (MTP off: the
+    greedy draw ends each step; ``kernels/argmax.py``'s in the step itself, torch's after it), in
+    GPU order: name, start after the first one's end, duration."""
+    at = [i for i, (_s, _e, name) in enumerate(kernels) if any(m in name for m in markers)]
     if len(at) < 3:
         return []
     i, j = at[len(at) // 2 - 1], at[len(at) // 2]

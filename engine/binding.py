@@ -107,27 +107,31 @@ class Qwen35Binding:
         head = getattr(self.transformer, "lm_head", None)
         return head if head is not None else self.transformer.embed_tokens
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]``."""
+    def logits(self, h: torch.Tensor, *, cast: bool = True) -> torch.Tensor:
+        """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]`` (``cast=False``: in the dtype the
+        output projection computed them in, for an argmax, which the exact cast would not change)."""
+        return self._project(h).float() if cast else self._project(h)
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
         plain = self.plain_output
         if plain is not None and h.shape[0] * h.shape[1] <= MAX_DECODE_ROWS and h.device == plain.weight.device \
                 and (plain.quantized or h.dtype == plain.weight.dtype):
-            return linear_rows(h, plain).float()
+            return linear_rows(h, plain)
         head = getattr(self.transformer, "lm_head", None)
         held = self._held_weight(head if head is not None else self.transformer.embed_tokens, h)
         if held is not None:
-            return F.linear(h, held).float()
+            return F.linear(h, held)
         if head is not None:
-            return head(h).float()
+            return head(h)
         module = self.transformer.embed_tokens
         if self.weight_cast is not None:
             with self.weight_cast(module, h) as weight:
                 if weight is not None:
-                    return F.linear(h, weight, None).float()
+                    return F.linear(h, weight, None)
         w = module.weight
         if w.dtype != h.dtype or w.device != h.device:
             w = w.to(h)
-        return F.linear(h, w).float()
+        return F.linear(h, w)
 
     def _held_weight(self, module, h: torch.Tensor) -> torch.Tensor | None:
         """The output weight cast once for ``h``'s dtype while holding (see ``holding_output_weight``)."""

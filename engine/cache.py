@@ -52,6 +52,7 @@ class KVCache:
         self.length = torch.zeros(batch, dtype=torch.int32, device=device)
         self.host_length = 0
         self.staged = 0
+        self.uncounted = 0  # rows staged by write_rows(count_later=True) not yet in ``length``
         self._rows = torch.arange(64, device=device, dtype=torch.int64)
 
     @property
@@ -78,17 +79,32 @@ class KVCache:
         self.staged = s
         return self.length
 
-    def write_rows(self, s: int, write) -> torch.Tensor:
+    def write_rows(self, s: int, write, *, count_later: bool = False) -> torch.Tensor:
         """``write`` for a kernel that puts the S rows into the cache itself: ``write(k, v, length)``
         stores row j at slot ``length[b] + j`` of ``k``/``v`` (``fused_ops.rms_norm_rope_to_cache``).
-        Stages them and returns the device ``length`` (committed + S), as ``write`` does."""
+        Stages them and returns the device ``length`` (committed + S), as ``write`` does.
+        ``count_later``: ``length`` is returned before the S rows are added to it; the caller
+        then has a kernel add them (``counted``, the Triton attention's merge) or calls ``count``
+        before anything else reads it: one launch fewer in the decode step."""
         if self.staged:
             raise Qwen35Error(f"KVCache.write_rows: {self.staged} staged rows not committed; call commit(n) first")
         self._check_room(s)
         write(self.k, self.v, self.length)
-        self.length.add_(s)
-        self.staged = s
+        if not count_later:
+            self.length.add_(s)
+        self.staged, self.uncounted = s, s if count_later else 0
         return self.length
+
+    def count(self) -> torch.Tensor:
+        """Add the rows ``write_rows(count_later=True)`` staged to the device ``length`` (committed + S)."""
+        if self.uncounted:
+            self.length.add_(self.uncounted)
+            self.uncounted = 0
+        return self.length
+
+    def counted(self) -> None:
+        """A kernel launched after ``write_rows(count_later=True)`` adds the staged rows to ``length``."""
+        self.uncounted = 0
 
     def _check_room(self, s: int) -> None:
         if self.host_length + s > self.capacity:
@@ -97,6 +113,9 @@ class KVCache:
 
     def commit(self, n: int | None = None) -> None:
         """Keep the first n staged rows (default all) and drop the rest."""
+        if self.uncounted:
+            raise Qwen35Error(f"KVCache.commit: {self.uncounted} rows staged by write_rows(count_later=True) "
+                              "were never counted; call count() (or have a kernel count them) first")
         n = self.staged if n is None else n
         if not 0 <= n <= self.staged:
             raise Qwen35Error(f"KVCache.commit: cannot keep {n} of {self.staged} staged rows")
@@ -340,9 +359,9 @@ class ModelCache:
             if isinstance(st, DeltaNetState):
                 st._put((None, None, 0))
             elif st.staged:
-                if lengths_moved:
-                    st.length.sub_(st.staged)
-                st.staged = 0
+                if lengths_moved and st.staged > st.uncounted:
+                    st.length.sub_(st.staged - st.uncounted)
+                st.staged = st.uncounted = 0
 
     def restore_staged(self, saved: tuple) -> None:
         """Re-apply ``save_staged``'s record: a graph replay staged the same rows on the device."""

@@ -121,6 +121,31 @@ class Runner:
         hidden, pre = self.forward(x, pos)
         return hidden, pre, self.binding.logits(hidden)
 
+    def forward_token(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The greedy decode step of one row: ids int64 ``[1,1]`` (the last token, on the device),
+        pos int64 ``[3,1]`` -> the argmax of the next logits, written over ``ids`` and returned as
+        its int64 ``[1]`` view (graph friendly: a replay reads the token the last one wrote).
+        The embedding, ``forward``, the output projection in its own dtype and the argmax
+        (``kernels/argmax.py`` where the fused kernels run, else torch's: the same index)."""
+        if ids.shape != (1, 1) or ids.dtype != torch.int64:
+            raise ValueError(f"forward_token takes int64 ids [1, 1], got {ids.dtype} {tuple(ids.shape)}")
+        hidden, _ = self.forward(self.binding.embed(ids, self.dtype, self.device), pos)
+        logits = self.binding.logits(hidden, cast=False).view(1, -1)
+        token = ids.view(1)
+        argmax = self._argmax_kernels(logits)
+        if argmax is not None:
+            return argmax.argmax_rows(logits, out=token)
+        return token.copy_(logits.argmax(dim=-1))
+
+    def _argmax_kernels(self, logits: torch.Tensor):
+        """``kernels.argmax`` when the fused path runs and its kernels take these logits, else None."""
+        if self.fused is None:
+            return None
+        from ..kernels.capabilities import triton_module
+
+        module, _ = triton_module("argmax")
+        return module if module is not None and module.argmax_reason(logits) is None else None
+
     def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
         """``mtp_forward``, then the output logits of its last row (the draft's): ``(normed
         [B,S,H], logits float32 [B,1,V])``."""

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..kernels import decode_attention, resolve_backend, triton_device_reason, triton_module
+from ..kernels import ATTENTION_BACKENDS, decode_attention, resolve_backend, triton_device_reason, triton_module
 from ..kernels.row_norm import RowNorm, factor
 from .plain_weights import linear_group, linear_rows
 
@@ -365,23 +365,34 @@ class FusedPlan:
         q = []  # q comes out of the same launch that writes k and v into the cache
         lengths = kv.write_rows(s, lambda kc, vc, length: q.append(self.ops.rms_norm_rope_qk(
             qg[..., :head_dim], k, v, self.norms[f"{prefix}.q_norm"], self.norms[f"{prefix}.k_norm"], self.eps,
-            cos, sin, kc, vc, length)))
+            cos, sin, kc, vc, length)), count_later=True)
         return q[0], qg[..., head_dim:], lengths
 
     def attend(self, o_proj, q: torch.Tensor, kv, lengths: torch.Tensor, gate: torch.Tensor, backend: str):
         """``o_proj(decode_attention(q, kv) * sigmoid(gate))``: q ``[B,Hq,S,D]``, gate ``[B,S,Hq,D]`` ->
-        ``[B,S,H]`` (or split-K partials, for ``norm``). With the triton backend and an o_proj that
-        reads its input unrotated, the attention's merge pass also gates: one launch fewer than
-        ``gate_out`` (an H200, 9B shapes, 8 layers in a graph: 9.6 against 11.0 us a layer at 2600
-        filled slots). An int8 ConvRot o_proj also needs the rotation: a merge that rotated too, one
-        program per head, measured no faster (12.0 against 12.0 us, 14.2 against 13.8 at 4 rows), so
-        then, and with other backends: attend, then ``gate_out``."""
+        ``[B,S,H]`` (or split-K partials, for ``norm``); ``kv`` holds q's S rows (``qk``), not yet
+        counted in ``lengths``. With the triton backend the attention's merge counts them (no
+        ``length`` add of its own between the two kernels), and with an o_proj that reads its input
+        unrotated it also gates: one launch fewer than ``gate_out`` (an H200, 9B shapes, 8 layers in
+        a graph: 9.6 against 11.0 us a layer at 2600 filled slots). An int8 ConvRot o_proj also needs
+        the rotation: a merge that rotated too, one program per head, measured no faster (12.0
+        against 12.0 us, 14.2 against 13.8 at 4 rows), so then: attend, then ``gate_out``. Other
+        backends count the rows first."""
         name = resolve_backend(q, q.shape[-1] ** -0.5) if backend == "auto" else backend
-        if name != "triton" or self._rotation_of((o_proj,)):
-            o = decode_attention(q, kv.k, kv.v, lengths, causal=True, backend=backend)
+        if name != "triton":
+            o = decode_attention(q, kv.k, kv.v, kv.count(), causal=True, backend=backend)
             return self.gate_out(o_proj, o, gate)
+        scale, pending = q.shape[-1] ** -0.5, kv.uncounted
+        why = ATTENTION_BACKENDS["triton"].reason(q, scale) if backend == "triton" else None
+        if why is not None:  # as decode_attention says it
+            raise ValueError(f"backend='triton' cannot run: {why}; use backend='auto'")
         attention, _ = triton_module("attention_triton")  # importable: the plan needs Triton
-        out = attention.triton_decode_attention_gated(q, kv.k, kv.v, lengths, True, q.shape[-1] ** -0.5, gate)
+        if self._rotation_of((o_proj,)):
+            o = attention.triton_decode_attention(q, kv.k, kv.v, lengths, True, scale, pending=pending)
+            kv.counted()
+            return self.gate_out(o_proj, o, gate)
+        out = attention.triton_decode_attention_gated(q, kv.k, kv.v, lengths, True, scale, gate, pending=pending)
+        kv.counted()
         return self.lin(o_proj, out, into_norm=True)
 
     def gate_out(self, o_proj, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -206,7 +206,7 @@ class _Readback:
     def __init__(self, token: torch.Tensor, pinned: torch.Tensor | None):
         self.event = None
         if pinned is None:
-            self.buf = token
+            self.buf = token.clone()  # the next greedy step writes over its input token
             return
         self.buf = pinned
         pinned.copy_(token, non_blocking=True)
@@ -234,10 +234,14 @@ def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: R
     while True:
         step = None
         if launched < max_length:
-            rows = binding.embed(pending, dtype, device)
-            _, _, logits = runner.forward_logits(rows, positions.rows(cache.length, 1))
-            cache.commit()
-            token = sampler.draw_async(sampler.mask(logits[0], launched))
+            pos = positions.rows(cache.length, 1)
+            if sampler.greedy and not sampler.masks(launched):  # the argmax in the step itself
+                token = runner.forward_token(pending, pos)
+                cache.commit()
+            else:
+                _, _, logits = runner.forward_logits(binding.embed(pending, dtype, device), pos)
+                cache.commit()
+                token = sampler.draw_async(sampler.mask(logits[0], launched))
             sampler.note(token)
             step = _Readback(token, pinned[launched % 2])
             pending = token.view(1, 1)

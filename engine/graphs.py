@@ -3,7 +3,8 @@
 ``GraphRunner`` wraps a ``forward.Runner`` and replays one captured graph per (kind, rows): the
 cache length lives on the device, so one graph serves every position; the ``*_logits`` steps
 capture the output projection too (an eager 248k-row product per draft held the GPU up while the
-host launched it); the host bookkeeping the
+host launched it), and ``main+token`` (the greedy step, ``Runner.forward_token``) the embedding
+of its input token and the argmax as well; the host bookkeeping the
 eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
 replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
 the graph lives (a GraphRunner lives for one generation): when a projection still runs through a
@@ -119,6 +120,12 @@ class GraphRunner:
             return self.runner.forward_logits(x, pos)
         return self._run("main+logits", x, pos)
 
+    def forward_token(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Same contract as ``Runner.forward_token``: the embedding, the step, the output
+        projection and the argmax in one graph; the token is written over the graph's own ids, so
+        passing the last returned token back in costs no copy."""
+        return self._run("main+token", ids, pos)[0]
+
     def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
         """Same contract as ``Runner.mtp_logits``; the output projection is in the graph."""
         if hidden.shape[1] > MAX_DECODE_ROWS:
@@ -133,6 +140,8 @@ class GraphRunner:
             return self.runner.mtp_logits(inputs[0], inputs[2], inputs[1])
         if kind == "main+logits":
             return self.runner.forward_logits(inputs[0], inputs[1])
+        if kind == "main+token":
+            return (self.runner.forward_token(inputs[0], inputs[1]),)
         return self.runner.forward(inputs[0], inputs[1])
 
     def _capture(self, kind: str, inputs) -> _Graph:
@@ -164,7 +173,8 @@ class GraphRunner:
             g = self._graphs[key] = self._capture(kind, inputs)
             log.info("captured the %s %d-row step as a CUDA graph", kind, rows)
         for dst, src in zip(g.inputs, inputs):
-            dst.copy_(src)
+            if src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.stride() != dst.stride():
+                dst.copy_(src)  # else the same tensor: main+token's last token is already in place
         g.graph.replay()
         self.cache.restore_staged(g.staged)
         return g.outputs

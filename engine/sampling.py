@@ -401,6 +401,10 @@ class Sampler:
             out[j + 1:].index_fill_(1, drafts[j:j + 1], True)
         return out
 
+    def masks(self, first_count: int) -> bool:
+        """True when ``mask`` would change a row drawn at ``first_count`` generated tokens."""
+        return first_count < self.min_tokens and self.stop_ids.numel() > 0
+
     def mask(self, logits: torch.Tensor, first_count: int) -> torch.Tensor:
         """Forbid stop tokens on rows whose position is before ``min_tokens``. logits ``[N,V]``."""
         n = logits.shape[0]

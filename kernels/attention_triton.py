@@ -39,7 +39,7 @@ def _split_kernel(
     cap, hkv, n_mb, scale_log2,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PENDING: tl.constexpr,
 ):
     trigger(PDL)  # the merge kernel may start; it waits for this grid before reading
     pid = tl.program_id(0)
@@ -57,7 +57,7 @@ def _split_kernel(
     q_ptr = Q + b * sq_b + (kh * G + hl)[:, None] * sq_h + j[:, None] * sq_s + offs_d[None, :]
     q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)  # issued before the length is known
 
-    length = tl.load(LENS + b)
+    length = tl.load(LENS + b) + PENDING  # PENDING: rows in the cache the merge adds to LENS
     length = tl.minimum(tl.maximum(length, 0), cap)
     per = tl.cdiv(tl.cdiv(length, N_SPLIT), BLOCK_N) * BLOCK_N
     start = split * per
@@ -131,13 +131,24 @@ def _merged(OP, LSEP, b, h, s, hkv, S: tl.constexpr, G: tl.constexpr, D: tl.cons
 
 
 @triton.jit
+def _count_pending(LENS, n_b, PENDING: tl.constexpr):
+    """The first programs of a merge add the split pass's PENDING rows to LENS (one per batch row):
+    every split program has read LENS by then (the merge runs after the split grid)."""
+    pid = tl.program_id(0)
+    if PENDING > 0:
+        if (pid < n_b) & (tl.program_id(1) == 0):
+            tl.store(LENS + pid, tl.load(LENS + pid) + PENDING)
+
+
+@triton.jit
 def _combine_kernel(
-    OP, LSEP, OUT,
-    so_b, so_h, so_s, hkv,
+    OP, LSEP, OUT, LENS,
+    so_b, so_h, so_s, hkv, n_b,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, PENDING: tl.constexpr,
 ):
     wait(PDL)  # the whole split grid has finished and its writes are visible
+    _count_pending(LENS, n_b, PENDING)
     pid = tl.program_id(0)  # over B * Hq * S, in q's (b, h, s) order
     s = pid % S
     h = (pid // S) % (hkv * G)
@@ -148,13 +159,14 @@ def _combine_kernel(
 
 @triton.jit
 def _combine_gate_kernel(
-    OP, LSEP, GATE, OUT, sg_b, sg_s, sg_h, hkv,
+    OP, LSEP, GATE, OUT, LENS, sg_b, sg_s, sg_h, hkv, n_b,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_P2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, PENDING: tl.constexpr,
 ):
     # _combine_kernel's merge, in out's (b, s, h) order, then the gate with sigmoid_gate's
     # rounding points, written as rows [B,S,Hq*D].
     wait(PDL)  # the whole split grid has finished and its writes are visible
+    _count_pending(LENS, n_b, PENDING)
     pid = tl.program_id(0)
     hq = hkv * G
     h = pid % hq
@@ -205,7 +217,7 @@ def default_config(d: int, itemsize: int, block_m: int, smem_limit: int, start: 
 
 
 def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_split: int | None,
-                config: dict | None):
+                config: dict | None, pending: int = 0):
     """The split pass: ``(o_part, lse_part, n_split, merge launch keywords)``."""
     b_sz, hq, s, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
@@ -234,7 +246,7 @@ def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_spli
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 cap, hkv, n_mb, scale * log2e,
                 S=s, G=g, D=d, N_SPLIT=n_split, BLOCK_M=block_m, BLOCK_N=block_n,
-                CAUSAL=causal, IEEE=q.dtype == torch.float32, PDL=pdl, **cfg,
+                CAUSAL=causal, IEEE=q.dtype == torch.float32, PDL=pdl, PENDING=pending, **cfg,
             )
             break
         except OutOfResources as exc:  # the estimate missed: take the next smaller tile, once per shape
@@ -255,31 +267,36 @@ def _contiguous_last(q, k_cache, v_cache):
 
 def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float,
                             n_split: int | None = None, config: dict | None = None,
-                            split_only: bool = False):
+                            split_only: bool = False, pending: int = 0):
     """Split-KV decode. q ``[B,Hq,S,D]``, caches ``[B,Hkv,C,D]`` (last dim contiguous) -> ``[B,Hq,S,D]``.
 
     No host sync; safe to capture in a CUDA graph and replay with new ``lengths`` values.
     ``n_split``/``config`` override the launch defaults; ``split_only`` (benchmarks) skips the merge.
+    ``pending=P``: the cache holds ``lengths + P`` rows (the S new ones were written, their count
+    not yet added: ``KVCache.write_rows(count_later=True)``); attention sees all of them and the
+    merge adds P to ``lengths`` (int32, one launch fewer than adding it before).
     """
+    if pending and (split_only or lengths.dtype != torch.int32):
+        raise ValueError(f"decode attention: pending={pending} needs int32 lengths ({lengths.dtype}) and the merge")
     q, k_cache, v_cache = _contiguous_last(q, k_cache, v_cache)
     o_part, lse_part, n_split, merge_launch = _split_pass(q, k_cache, v_cache, lengths, causal, scale, n_split,
-                                                          config)
+                                                          config, pending)
     if split_only:
         return o_part, lse_part
     b_sz, hq, s, d = q.shape
     hkv = k_cache.shape[1]
     g = hq // hkv
     out = torch.empty(b_sz, hq, s, d, dtype=q.dtype, device=q.device)
-    merge_args = (o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), hkv)
+    merge_args = (o_part, lse_part, out, lengths, out.stride(0), out.stride(1), out.stride(2), hkv, b_sz)
     merge_meta = dict(S=s, G=g, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split),
-                      BLOCK_D=64, num_warps=4)
+                      BLOCK_D=64, num_warps=4, PENDING=pending)
     grid = (b_sz * hq * s, d // 64)
     _combine_kernel[grid](*merge_args, **merge_launch, **merge_meta)
     return out
 
 
 def triton_decode_attention_gated(q, k_cache, v_cache, lengths, causal: bool, scale: float, gate: torch.Tensor,
-                                  n_split: int | None = None, config: dict | None = None):
+                                  n_split: int | None = None, config: dict | None = None, pending: int = 0):
     """``fused_ops.sigmoid_gate(triton_decode_attention(...), gate)`` with the gate applied by the
     merge pass itself: one launch fewer.
 
@@ -288,6 +305,7 @@ def triton_decode_attention_gated(q, k_cache, v_cache, lengths, causal: bool, sc
     unfused pair's rounding points). The merge is ``_combine_kernel``'s (``_merged``), so the output
     equals the unfused pair's bit for bit. No ConvRot rotation: merging with one program per head
     so it could rotate for an int8 ``o_proj`` measured no faster than the pair (``FusedPlan.attend``).
+    ``pending`` as for ``triton_decode_attention``.
     """
     q, k_cache, v_cache = _contiguous_last(q, k_cache, v_cache)
     b_sz, hq, s, d = q.shape
@@ -295,11 +313,13 @@ def triton_decode_attention_gated(q, k_cache, v_cache, lengths, causal: bool, sc
     if gate.shape != (b_sz, s, hq, d) or gate.dtype != q.dtype or gate.stride(-1) != 1:
         raise ValueError(f"decode attention gate: expected [B,S,Hq,D] = {(b_sz, s, hq, d)} in {q.dtype} with a "
                          f"contiguous last dim, got {tuple(gate.shape)} {gate.dtype}")
+    if pending and lengths.dtype != torch.int32:
+        raise ValueError(f"decode attention: pending={pending} needs int32 lengths, got {lengths.dtype}")
     o_part, lse_part, n_split, merge_launch = _split_pass(q, k_cache, v_cache, lengths, causal, scale, n_split,
-                                                          config)
+                                                          config, pending)
     out = torch.empty(b_sz, s, hq * d, dtype=q.dtype, device=q.device)
     _combine_gate_kernel[(b_sz * s * hq, d // 64)](
-        o_part, lse_part, gate, out, gate.stride(0), gate.stride(1), gate.stride(2), hkv,
+        o_part, lse_part, gate, out, lengths, gate.stride(0), gate.stride(1), gate.stride(2), hkv, b_sz,
         S=s, G=hq // hkv, D=d, N_SPLIT=n_split, SPLIT_P2=triton.next_power_of_2(n_split), BLOCK_D=64,
-        num_warps=4, **merge_launch)
+        num_warps=4, PENDING=pending, **merge_launch)
     return out

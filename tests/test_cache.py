@@ -42,6 +42,28 @@ def test_kv_write_commit_rollback(rng):
         kv.rollback(5)
 
 
+def test_kv_rows_counted_later(rng):
+    """``write_rows(count_later=True)``: the rows are staged but ``length`` stays at the committed
+    count until ``count()`` (or a kernel, then ``counted()``); committing before is refused."""
+    kv = KVCache(1, 2, 10, 8, dtype=torch.float32, device="cpu")
+    k1, v1 = _rows(rng, 3)
+
+    def write(kc, vc, length):
+        kc[:, :, :3], vc[:, :, :3] = k1, v1
+
+    assert kv.write_rows(3, write, count_later=True).tolist() == [0] and kv.staged == 3
+    with pytest.raises(Qwen35Error, match="never counted"):
+        kv.commit()
+    assert kv.count().tolist() == [3] and kv.count().tolist() == [3]  # counted once
+    kv.commit(2)
+    assert kv.host_length == 2 and kv.length.tolist() == [2]
+    kv.write_rows(1, lambda kc, vc, length: None, count_later=True)
+    kv.length.add_(1)  # what the attention's merge does on the device
+    kv.counted()
+    kv.commit()
+    assert kv.host_length == 3 and kv.length.tolist() == [3]
+
+
 def test_kv_errors(rng):
     kv = KVCache(1, 2, 5, 8, dtype=torch.float32, device="cpu")
     k, v = _rows(rng, 4)

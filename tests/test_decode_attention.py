@@ -328,3 +328,24 @@ def test_triton_gated_merge(rng, dtype, n_split):
     assert torch.equal(out, unfused)
     with pytest.raises(ValueError, match=r"\[B,S,Hq,D\]"):
         td.triton_decode_attention_gated(q, k, v, lengths, True, d ** -0.5, gate[:, :2])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_merge_counts_pending_rows(rng, gated):
+    """``pending=P``: the cache holds ``lengths + P`` rows; the split pass attends over all of them
+    (the float64 reference at ``lengths + P``) and the merge adds P to ``lengths``, per batch row."""
+    b, hq, hkv, s, d, cap = 2, 4, 2, 3, 64, 200
+    q, k, v = make(rng, b, hq, hkv, s, d, cap, torch.float32)
+    gate = torch.randn(b, s, hq, d, generator=rng)
+    lengths = torch.tensor([120, 7], dtype=torch.int32)
+    full = lengths + s
+    if gated:
+        out = td.triton_decode_attention_gated(q, k, v, lengths, True, d ** -0.5, gate, pending=s)
+        want = gated_reference(q, k, v, full, gate)
+    else:
+        out = td.triton_decode_attention(q, k, v, lengths, True, d ** -0.5, pending=s)
+        want = reference_f64(q, k, v, full, True)
+    assert torch.equal(lengths, full)
+    assert rel_err(out, want) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="int32"):
+        td.triton_decode_attention(q, k, v, lengths.long(), True, d ** -0.5, pending=s)

@@ -134,6 +134,57 @@ def test_fused_generation_equals_torch_path(model, rng, mtp):
         assert fused.stats.accepted == plain.stats.accepted and fused.stats.accepted > 0
 
 
+def test_greedy_step_draws_the_argmax_of_the_logits_step(model, rng):
+    """``forward_token`` (embedding, step, output projection and ``kernels.argmax`` in one call)
+    against ``forward_logits`` plus torch's argmax on a twin cache: the same token every step, the
+    same cache after it, and the token written over the ids it was given."""
+    model, d = model
+    prompt = torch.randn(1, 11, d["hidden_size"], generator=rng)
+    twins = _runners(model, prompt)[1], _runners(model, prompt)[1]  # two fused runners, same prompt
+    ids = torch.tensor([[3]])
+    want_ids = ids.clone()
+    for _ in range(5):
+        length = twins[0].cache.length
+        pos = torch.arange(length, length + 1).expand(3, 1)
+        x = twins[1].binding.embed(want_ids, torch.float32, "cpu")
+        _, _, logits = twins[1].forward_logits(x, pos)
+        want = logits.view(1, -1).argmax(dim=-1)
+        got = twins[0].forward_token(ids, pos)
+        assert got.data_ptr() == ids.data_ptr() and torch.equal(got, want)
+        for r in twins:
+            r.cache.commit()
+        for (g1, g2), (w1, w2) in zip(_states(twins[0].cache), _states(twins[1].cache)):
+            assert torch.equal(g1, w1) and (g2 == w2 if isinstance(g2, int) else torch.equal(g2, w2))
+        want_ids = want.view(1, 1)
+    with pytest.raises(ValueError, match=r"int64 ids \[1, 1\]"):
+        twins[0].forward_token(torch.tensor([[1, 2]]), pos)
+
+
+def test_greedy_loop_takes_the_token_step_unless_stops_are_masked(model, rng, monkeypatch):
+    """Greedy MTP-off decoding draws each token in the step itself (``forward_token``) and gives
+    the logits path's tokens; while ``min_tokens`` forbids stop tokens it takes the logits path,
+    whose rows it masks."""
+    model, d = model
+    prompt = torch.randn(1, 9, d["hidden_size"], generator=rng)
+    calls = []
+    for name in ("forward_token", "forward_logits"):
+        real = getattr(Runner, name)
+        monkeypatch.setattr(Runner, name, lambda self, *a, _r=real, _n=name: calls.append(_n) or _r(self, *a))
+    kw = dict(do_sample=False, max_length=8, mtp="off", attention="torch", fused=True)
+    free = generate(model, prompt, stop_tokens=[], **kw)
+    assert calls == ["forward_token"] * 7  # the first token comes from the prompt's logits
+    calls.clear()
+    held = generate(model, prompt, stop_tokens=[free.tokens[0]], min_tokens=4, **kw)
+    # tokens 1..3 are drawn while stops are forbidden; a stop token leaves one launched step unused
+    assert calls[:3] == ["forward_logits"] * 3 and set(calls[3:]) == {"forward_token"}
+    assert len(calls) in (len(held.tokens) - 1, len(held.tokens)) and len(held.tokens) > 4
+    monkeypatch.undo()
+    from qwen35_fast.engine import sampling
+
+    monkeypatch.setattr(sampling.Sampler, "masks", lambda self, first_count: True)  # the logits path only
+    assert generate(model, prompt, stop_tokens=[], **kw).tokens == free.tokens
+
+
 def test_fused_decode_reads_the_embedding_table_in_place(model, rng):
     """With the fused plan, a decode step looks up its token in the embedding table the plan read
     in place (no module call per token); without it, the module is called. Same tokens."""

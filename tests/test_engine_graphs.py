@@ -87,10 +87,10 @@ def test_graph_steps_capture_the_output_projection(tmp_path, test_seed, monkeypa
         finally:
             capturing.pop()
 
-    def logits(self, h):
+    def logits(self, h, **kw):
         if not capturing:
             eager_rows.append(h.shape[1])
-        return real_logits(self, h)
+        return real_logits(self, h, **kw)
 
     monkeypatch.setattr(graphs.GraphRunner, "_capture", capture)
     monkeypatch.setattr(Qwen35Binding, "logits", logits)
