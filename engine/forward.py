@@ -130,7 +130,7 @@ class Runner:
         if ids.shape != (1, 1) or ids.dtype != torch.int64:
             raise ValueError(f"forward_token takes int64 ids [1, 1], got {ids.dtype} {tuple(ids.shape)}")
         hidden, _ = self.forward(self.binding.embed(ids, self.dtype, self.device), pos)
-        logits = self.binding.logits(hidden, cast=False).view(1, -1)
+        logits = self.binding.logits(hidden, cast=False).reshape(1, -1)
         token = ids.view(1)
         argmax = self._argmax_kernels(logits)
         if argmax is not None:

@@ -74,9 +74,12 @@ def _argmax_final_kernel(KEYS, IDX, OUT, PARTS, V, P2: tl.constexpr, PDL: tl.con
 
 
 def argmax_reason(x: torch.Tensor) -> str | None:
-    """None when ``argmax_rows`` can run on x (its device and dtype), else why not (one line)."""
+    """None when ``argmax_rows`` can run on x (its device, dtype and last-dim stride), else why
+    not (one line)."""
     if x.dtype not in _DTYPES:
         return f"logits are {x.dtype} (bf16, fp16 or fp32)"
+    if x.dim() >= 1 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        return f"logits need a contiguous last dim (strides {tuple(x.stride())}); pass x.contiguous()"
     return triton_device_reason(x.device)
 
 
@@ -88,9 +91,6 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         raise ValueError(f"argmax_rows: {why}; use torch.argmax instead")
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"argmax_rows: x must be [..., V] with V >= 1, got {tuple(x.shape)}")
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"argmax_rows: x needs a contiguous last dim (strides {tuple(x.stride())}); "
-                         "pass x.contiguous()")
     v = x.shape[-1]
     if v >= 2**31 - 1:
         raise ValueError(f"argmax_rows: {v} columns do not fit int32 indices")

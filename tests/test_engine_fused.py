@@ -160,6 +160,21 @@ def test_greedy_step_draws_the_argmax_of_the_logits_step(model, rng):
         twins[0].forward_token(torch.tensor([[1, 2]]), pos)
 
 
+def test_greedy_step_takes_strided_logits(model, rng, monkeypatch):
+    """Logits whose last dim is strided (a module output the pack does not control) reach torch's
+    argmax instead of the kernel, which needs a contiguous row: the same token, no error."""
+    model, d = model
+    prompt = torch.randn(1, 7, d["hidden_size"], generator=rng)
+    twins = _runners(model, prompt)[1], _runners(model, prompt)[1]
+    real = twins[0].binding.logits
+    monkeypatch.setattr(twins[0].binding, "logits",
+                        lambda h, **kw: torch.stack([real(h, **kw)] * 2, dim=-1)[..., 0])
+    pos = torch.arange(twins[1].cache.length, twins[1].cache.length + 1).expand(3, 1)
+    _, _, logits = twins[1].forward_logits(twins[1].binding.embed(torch.tensor([[5]]), torch.float32, "cpu"), pos)
+    got = twins[0].forward_token(torch.tensor([[5]]), pos)
+    assert torch.equal(got, logits.view(1, -1).argmax(dim=-1))
+
+
 def test_greedy_loop_takes_the_token_step_unless_stops_are_masked(model, rng, monkeypatch):
     """Greedy MTP-off decoding draws each token in the step itself (``forward_token``) and gives
     the logits path's tokens; while ``min_tokens`` forbids stop tokens it takes the logits path,
