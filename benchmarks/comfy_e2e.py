@@ -45,6 +45,11 @@ step and the host's Python functions per token of a generation (cProfile, after 
 generation; also of a forced3 one when ``--kinds`` names it), per format.
 ``--profile-prefill``: median wall time of the prompt's prefill (main forward and MTP head, a fresh
 cache each) and its kernels and host ops (torch profiler), per format.
+``--variants NAME:VAR=VALUE``: more MTP-off pack rows (``pack@NAME``), each run with environment
+variables a generation reads when it builds its plan (``VARIANT_ENV``: the products' launch
+settings ``QWEN35_FAST_GEMV_CONFIG``, the L2 prefetch, PDL), right after the pack row; with
+``--repeat N`` the rows of each max_length run N times over in that order: settings compared in
+one process, on one loaded model, interleaved.
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
@@ -53,6 +58,7 @@ Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
         [--profile-prefill] [--kinds core pack pack-sampled pack-plain forced3 standalone] [--timeline]
+        [--variants NAME:VAR=VALUE[|VAR=VALUE] ...] [--repeat N]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
 
@@ -362,10 +368,13 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
             rows.append({"format": fmt, "kind": f"timeline {kind}", **tl})
             print_timeline(f"{fmt:>5} {kind} timeline", tl)
 
+    variants = dict(args.variants)
     for max_length in args.max_lengths:
         order = [k for k in ("pack", "pack-sampled", "pack-plain", "forced3", "core") if k in args.kinds
                  and (k != "core" or max_length in args.core_max_lengths)]
-        for kind in order:
+        at = order.index("pack") + 1 if "pack" in order else 0  # next to the row they are compared with
+        order[at:at] = [f"pack@{name}" for name in variants]
+        for kind in order * args.repeat:
             reset_peak()
             probe = PeakProbe(args.memory and max_length == args.max_lengths[0] and kind in ("core", "pack"))
             if kind == "core":
@@ -380,7 +389,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                 tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **sampled), args.tokens)
                 row(kind, max_length, tok_s)
             elif kind.startswith("pack"):
-                with probe, launches(kind):
+                with probe, launches(kind, variants.get(kind.partition("@")[2], {})):
                     tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **greedy),
                                       args.tokens)
                 row(kind, max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
@@ -424,21 +433,45 @@ def forced_drafts(target, embeds, n: int, greedy: dict) -> list[int]:
 
 
 @contextlib.contextmanager
-def launches(kind: str):
-    """The launch settings of a pack row: ``pack-plain`` without programmatic dependent launch
-    (restored after)."""
+def launches(kind: str, env: dict[str, str] | None = None):
+    """The launch settings of a pack row, restored after: ``pack-plain`` without programmatic
+    dependent launch; a ``--variants`` row with its environment variables ``env``."""
     from qwen35_fast.kernels import capabilities
 
-    env = os.environ.get(capabilities.PDL_ENV)
+    values = dict(env or {})
     if kind == "pack-plain":
-        os.environ[capabilities.PDL_ENV] = "0"
+        values[capabilities.PDL_ENV] = "0"
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if env is None:
-            os.environ.pop(capabilities.PDL_ENV, None)
-        else:
-            os.environ[capabilities.PDL_ENV] = env
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+#: The settings a generation reads when it builds its plan, so a ``--variants`` row can change them.
+VARIANT_ENV = ("QWEN35_FAST_GEMV_CONFIG", "QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_PDL")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``NAME:VAR=VALUE[|VAR=VALUE...]`` (VAR one of ``VARIANT_ENV``) -> ``(NAME, {VAR: VALUE})``;
+    argparse.ArgumentTypeError naming the form otherwise."""
+    form = ("expected NAME:VAR=VALUE[|VAR=VALUE...], e.g. "
+            "'down2:QWEN35_FAST_GEMV_CONFIG=quant:4096x12288=32,256,2,4/4'")
+    name, sep, rest = text.partition(":")
+    if not sep or not name.strip() or not name.replace("-", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"--variants {text!r}: {form} (NAME in letters, digits, '-', '_')")
+    env = {}
+    for item in rest.split("|"):
+        var, eq, value = item.partition("=")
+        if not eq or var.strip() not in VARIANT_ENV:
+            raise argparse.ArgumentTypeError(f"--variants {text!r}: {form}; VAR one of {', '.join(VARIANT_ENV)}")
+        env[var.strip()] = value
+    return name.strip(), env
 
 
 def host_profile(fn, tokens: int, top: int = 40) -> dict:
@@ -516,6 +549,12 @@ def main() -> None:
                     help="at the first max_length, list what the core and pack rows allocate at their peak")
     ap.add_argument("--timeline", action="store_true",
                     help="also trace the pack's kernels per token of a generation, with and without PDL")
+    ap.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="NAME:VAR=VALUE",
+                    help="extra MTP-off pack rows (kind pack@NAME), each run with these environment variables "
+                         f"set ({', '.join(VARIANT_ENV)}: read when a generation builds its plan), right after "
+                         "the pack row of each max_length")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each max_length's rows this many times over, in the same interleaved order")
     ap.add_argument("--json", default="comfy_e2e.json")
     ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()

@@ -23,12 +23,21 @@ the projections, and says why fusion is impossible when a module is not the plai
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import ATTENTION_BACKENDS, decode_attention, resolve_backend, triton_device_reason, triton_module
+from ..kernels import (
+    ATTENTION_BACKENDS,
+    decode_attention,
+    resolve_backend,
+    say_once,
+    triton_device_reason,
+    triton_module,
+)
 from ..kernels.row_norm import RowNorm, factor
 from .plain_weights import linear_group, linear_rows
 
@@ -43,6 +52,9 @@ def _triton_ops():
     if why or why_step:
         return None, why or why_step
     return (fused_ops, deltanet_step), None
+
+
+log = logging.getLogger(__name__)
 
 
 class _Reject(Exception):
@@ -166,6 +178,15 @@ class FusedPlan:
         ops, why = _triton_ops()
         if ops is None:
             return None, why
+        from ..kernels import gemv
+
+        try:
+            overrides = gemv.load_overrides()
+        except ValueError as exc:
+            return None, str(exc)
+        if overrides:
+            say_once(log, f"Qwen3.5 decode products launch with {gemv.CONFIG_ENV} overrides (not the measured "
+                          f"defaults): {os.environ.get(gemv.CONFIG_ENV)}")
         cfg = binding.config
         probe = torch.empty(1, 1, cfg.conv_dim, dtype=dtype, device=device)
         why = ops[1].step_reason(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim)

@@ -66,13 +66,21 @@ from .pdl import enter, launch_args, trigger, wait
 from .row_norm import RowNorm
 
 __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_cached",
-           "hadamard_rotate", "hadamard_rotate_torch", "split_k"]
+           "hadamard_rotate", "hadamard_rotate_torch", "load_overrides", "parse_overrides", "split_k"]
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
 #: Bytes of the next product's weight a product asks L2 for (``gemv_group(prefetch=)``): 8 MB measured
 #: best of 4, 8 and 16 (``QWEN35_FAST_L2_PREFETCH_KB`` overrides; 0 turns it off).
 PREFETCH_BYTES = int(os.environ.get("QWEN35_FAST_L2_PREFETCH_KB", "8192")) << 10
+#: Launch overrides for in-step measurements (``load_overrides``): entries ``KIND:NxK=BN,BK,WARPS,STAGES``,
+#: ``KIND:NxK=/SPLIT`` or both (``KIND:NxK=BN,BK,WARPS,STAGES/SPLIT``), separated by ``;``. KIND is
+#: ``quant`` (int8 / fp8 weights) or ``float``; N is a launch's output columns in all (a group's
+#: sum: 12352 for a 9B DeltaNet layer's inputs), K its width; SPLIT replaces ``split_k`` for that
+#: weight. Read when a fused plan is built (each generation), so one process can compare settings.
+CONFIG_ENV = "QWEN35_FAST_GEMV_CONFIG"
+_OVERRIDES: dict[tuple[bool, int, int], tuple[tuple[int, int, int, int] | None, int | None]] = {}
+_OVERRIDES_TEXT = ""
 
 
 @triton.jit
@@ -210,7 +218,66 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
         _prefetch_share(PF, n_pf, 128)
 
 
+_FORMAT = "entries like 'quant:4096x12288=32,256,2,4/4' or 'float:4096x4096=/2' separated by ';'"
+
+
+def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, int, int, int] | None, int | None]]:
+    """``CONFIG_ENV``'s value -> ``{(quant, N, K): (config or None, split or None)}``. ValueError
+    naming the entry and the format when one is malformed or out of range (BLOCK_N, BLOCK_K powers
+    of two from 16 to 1024, warps 1..16 a power of two, stages 1..8, split 1..64)."""
+    out = {}
+    for raw in text.split(";"):
+        entry = raw.strip()
+        if not entry:
+            continue
+        try:
+            kind, rest = entry.split(":", 1)
+            shape, value = rest.split("=", 1)
+            n, k = (int(v) for v in shape.lower().split("x"))
+            cfg_text, _, split_text = value.partition("/")
+            cfg = tuple(int(v) for v in cfg_text.split(",")) if cfg_text.strip() else None
+            split = int(split_text) if split_text.strip() else None
+        except ValueError:
+            raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {_FORMAT}") from None
+        kind = kind.strip()
+        pow2 = lambda v, lo, hi: lo <= v <= hi and v & (v - 1) == 0  # noqa: E731
+        bad = (kind not in ("quant", "float") or n < 1 or k < 1 or (cfg is None and split is None)
+               or (cfg is not None and (len(cfg) != 4 or not pow2(cfg[0], 16, 1024) or not pow2(cfg[1], 16, 1024)
+                                        or not pow2(cfg[2], 1, 16) or not 1 <= cfg[3] <= 8))
+               or (split is not None and not 1 <= split <= 64))
+        if bad:
+            raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (kind quant or float, BLOCK_N and BLOCK_K "
+                             f"powers of two 16..1024, warps 1..16, stages 1..8, split 1..64): {_FORMAT}")
+        out[(kind == "quant", n, k)] = (cfg, split)
+    return out
+
+
+def load_overrides() -> dict:
+    """Read ``CONFIG_ENV`` (and ``QWEN35_FAST_L2_PREFETCH_KB``) again; ``FusedPlan.build`` calls it
+    for each generation, so launches captured after it use the new values. Returns the overrides in
+    force; ValueError (``parse_overrides``) leaves the previous ones in force."""
+    global _OVERRIDES, _OVERRIDES_TEXT, PREFETCH_BYTES
+    text = os.environ.get(CONFIG_ENV, "")
+    kb = os.environ.get("QWEN35_FAST_L2_PREFETCH_KB", "8192")
+    try:
+        prefetch = int(kb) << 10
+    except ValueError:
+        raise ValueError(f"QWEN35_FAST_L2_PREFETCH_KB={kb!r} is not a whole number of KB (0 turns it off)") from None
+    if text != _OVERRIDES_TEXT:
+        _OVERRIDES = parse_overrides(text)
+        _OVERRIDES_TEXT = text
+    PREFETCH_BYTES = prefetch
+    return dict(_OVERRIDES)
+
+
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of a launch: ``CONFIG_ENV``'s for (quant, n, k) when it
+    names one (``load_overrides``), else ``_default_config``'s measured pick."""
+    cfg = _OVERRIDES.get((quant, n, k), (None, None))[0] if _OVERRIDES else None
+    return cfg if cfg is not None else _default_config(n, k, quant)
+
+
+def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for N output columns in all over width K, measured on an
     H200 at the 9B decode launches, 1 and 4 rows (``benchmarks/int8_gemv.py``, results in
     ``benchmarks/results/int8_gemv_h200.json``). int8: 64 columns, 256-wide tiles for 16384 columns
@@ -253,7 +320,10 @@ def split_k(n: int, k: int, quant: bool = False) -> int:
     partials (``fused_ops.add_rms_norm``). Up to 8192 columns make at most 256 programs of 32
     columns, too few to keep an H200's memory busy: int8 splits K in 4 (the 9B MLP down projection
     17 us against 22, the 4096x4096 outputs 8.1 against 9.2), bf16 in 2 (27 against 28, 10.8
-    against 12.1); wider outputs are not split."""
+    against 12.1); wider outputs are not split. ``CONFIG_ENV`` may name another split for (n, k)."""
+    split = _OVERRIDES.get((quant, n, k), (None, None))[1] if _OVERRIDES else None
+    if split is not None:
+        return split
     if n > 8192:
         return 1
     return 4 if quant else 2

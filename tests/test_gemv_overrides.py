@@ -1,0 +1,138 @@
+"""``QWEN35_FAST_GEMV_CONFIG``: launch overrides for measuring decode products in the step itself.
+The value is parsed into (config, split) per (kind, N, K), a malformed one is refused naming the
+format, and a fused plan built after the variable changes launches its products with the new
+settings (the same tokens as the torch path), the measured defaults again once it is unset."""
+
+import argparse
+import os
+
+import pytest
+import torch
+from qwen35_fast.engine import bind, generate
+from qwen35_fast.engine.fused import FusedPlan
+from qwen35_fast.kernels import gemv, interpreting
+
+from tests.oracles.tiny import engine_model, make_tiny
+
+ENV = "QWEN35_FAST_GEMV_CONFIG"
+
+
+def test_parse_reads_every_form():
+    text = " quant:12352x4096=32,256,4,3; float:64X96=/3 ;;quant:4096x12288=32,256,2,4/4 "
+    assert gemv.parse_overrides(text) == {
+        (True, 12352, 4096): ((32, 256, 4, 3), None),
+        (False, 64, 96): (None, 3),
+        (True, 4096, 12288): ((32, 256, 2, 4), 4),
+    }
+    assert gemv.parse_overrides("") == {}
+
+
+@pytest.mark.parametrize("bad", [
+    "int8:64x96=16,16,1,1",  # kind is quant or float
+    "quant:64x96",  # no '='
+    "quant:64*96=16,16,1,1",  # shape NxK
+    "quant:64x96=16,16,1",  # four numbers
+    "quant:64x96=24,16,1,1",  # BLOCK_N a power of two
+    "quant:64x96=16,16,3,1",  # warps a power of two
+    "quant:64x96=16,16,1,9",  # stages 1..8
+    "quant:64x96=/0",  # split >= 1
+    "quant:64x96=/",  # nothing to override
+])
+def test_malformed_entries_name_the_format(bad):
+    with pytest.raises(ValueError, match=rf"{ENV}: .*'quant:4096x12288=32,256,2,4/4'"):
+        gemv.parse_overrides(f"float:64x64=/2;{bad}")
+
+
+@pytest.fixture
+def tiny(tmp_path, test_seed):
+    sd, d = make_tiny(test_seed % 10_000, strength=0.3, vocab_size=64, hidden_size=64, num_hidden_layers=4)
+    return engine_model(sd, tmp_path), d
+
+
+class _Spy:
+    """Stands in for ``gemv._gemv_kernel``: records each launch's grid, K, output columns and
+    (BLOCK_N, BLOCK_K, warps, stages)."""
+
+    def __init__(self, real):
+        self.real, self.launches = real, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            cfg = (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"])
+            self.launches.append({"grid": tuple(grid), "k": args[14], "ns": tuple(n for n in args[16:20] if n),
+                                  "cfg": cfg})
+            return self.real[grid](*args, **kw)
+        return launch
+
+
+def _picked(n, k):
+    """The measured default for [n, k], its tile clamped to K as ``gemv_group`` clamps it."""
+    bn, bk, warps, stages = gemv._default_config(n, k)
+    return bn, min(bk, 1 << (k - 1).bit_length()), warps, stages
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
+def test_plan_launches_with_the_overrides(tiny, rng, monkeypatch):
+    model, d = tiny
+    h, inter = d["hidden_size"], d["intermediate_size"]
+    spy = _Spy(gemv._gemv_kernel)
+    monkeypatch.setattr(gemv, "_gemv_kernel", spy)
+    prompt = torch.randn(1, 9, h, generator=rng)
+    kw = dict(do_sample=False, max_length=14, stop_tokens=[], mtp="off", attention="torch")
+    want = generate(model, prompt, fused=False, **kw).tokens
+
+    def run(value):
+        """Tokens, the MLP down launches (h columns over the intermediate width) and the gate/up ones."""
+        if value is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, value)
+        spy.launches.clear()
+        tokens = generate(model, prompt, fused=True, **kw).tokens
+        down = [x for x in spy.launches if x["ns"] == (h,) and x["k"] == inter]
+        gate_up = [x for x in spy.launches if x["ns"] == (inter, inter) and x["k"] == h]
+        assert down and gate_up, spy.launches
+        return tokens, down, gate_up
+
+    tokens, down, gate_up = run(None)
+    assert tokens == want
+    assert {x["cfg"] for x in down} == {_picked(h, inter)}
+    assert {x["cfg"] for x in gate_up} == {_picked(2 * inter, h)}
+    tokens, down, gate_up = run(f"float:{h}x{inter}=16,16,1,1/3; float:{2 * inter}x{h}=32,32,2,2")
+    assert tokens == want
+    assert {(x["cfg"], x["grid"]) for x in down} == {((16, 16, 1, 1), (h // 16, 3))}  # 3 K ranges of 32
+    assert {(x["cfg"], x["grid"]) for x in gate_up} == {((32, 32, 2, 2), (2 * -(-inter // 32), 1))}
+    tokens, down, _ = run(None)
+    assert tokens == want and {x["cfg"] for x in down} == {_picked(h, inter)}
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
+def test_malformed_value_keeps_the_plan_off_and_says_why(tiny, monkeypatch):
+    model, _ = tiny
+    monkeypatch.setenv(ENV, "quant:64x96=16,16,1")
+    plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
+    assert plan is None and ENV in why and "separated by ';'" in why
+    monkeypatch.delenv(ENV)
+    plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
+    assert plan is not None, why
+
+
+def test_benchmark_variants_set_and_restore_the_environment(monkeypatch):
+    """``comfy_e2e.py --variants``: the form is read or refused naming it, and a row's variables
+    hold while it runs and are restored after (also those that were set before)."""
+    from benchmarks.comfy_e2e import launches, parse_variant
+
+    value = "quant:4096x12288=32,256,2,4/4;quant:12352x4096=/2"
+    assert parse_variant(f"down2:{ENV}={value}|QWEN35_FAST_L2_PREFETCH_KB=0") == (
+        "down2", {ENV: value, "QWEN35_FAST_L2_PREFETCH_KB": "0"})
+    for bad in ("down2", f":{ENV}=x", f"a b:{ENV}=x", "down2:HOME=/", f"down2:{ENV}"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME:VAR=VALUE"):
+            parse_variant(bad)
+    monkeypatch.setenv("QWEN35_FAST_L2_PREFETCH_KB", "4096")
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("QWEN35_FAST_PDL", raising=False)
+    with launches("pack-plain", {ENV: value, "QWEN35_FAST_L2_PREFETCH_KB": "0"}):
+        assert (os.environ[ENV], os.environ["QWEN35_FAST_L2_PREFETCH_KB"], os.environ["QWEN35_FAST_PDL"]) == (
+            value, "0", "0")
+    assert ENV not in os.environ and "QWEN35_FAST_PDL" not in os.environ
+    assert os.environ["QWEN35_FAST_L2_PREFETCH_KB"] == "4096"
