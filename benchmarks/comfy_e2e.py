@@ -46,8 +46,9 @@ generation; also of a forced3 one when ``--kinds`` names it), per format.
 ``--profile-prefill``: median wall time of the prompt's prefill (main forward and MTP head, a fresh
 cache each) and its kernels and host ops (torch profiler), per format.
 ``--variants NAME:VAR=VALUE``: more MTP-off pack rows (``pack@NAME``), each run with environment
-variables a generation reads when it builds its plan (``VARIANT_ENV``: the products' launch
-settings ``QWEN35_FAST_GEMV_CONFIG``, the L2 prefetch, PDL), right after the pack row; with
+variables a generation reads when it builds its plan (``VARIANT_ENV``: the launch settings of the
+products, ``QWEN35_FAST_GEMV_CONFIG``, and of the DeltaNet step, ``QWEN35_FAST_DELTANET_CONFIG``;
+the L2 prefetch; PDL), right after the pack row; with
 ``--repeat N`` the rows of each max_length run N times over in that order: settings compared in
 one process, on one loaded model, interleaved.
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
@@ -454,7 +455,8 @@ def launches(kind: str, env: dict[str, str] | None = None):
 
 
 #: The settings a generation reads when it builds its plan, so a ``--variants`` row can change them.
-VARIANT_ENV = ("QWEN35_FAST_GEMV_CONFIG", "QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_PDL")
+VARIANT_ENV = ("QWEN35_FAST_GEMV_CONFIG", "QWEN35_FAST_DELTANET_CONFIG", "QWEN35_FAST_L2_PREFETCH_KB",
+               "QWEN35_FAST_PDL")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:

@@ -180,13 +180,14 @@ class FusedPlan:
             return None, why
         from ..kernels import gemv
 
-        try:
-            overrides = gemv.load_overrides()
-        except ValueError as exc:
-            return None, str(exc)
-        if overrides:
-            say_once(log, f"Qwen3.5 decode products launch with {gemv.CONFIG_ENV} overrides (not the measured "
-                          f"defaults): {os.environ.get(gemv.CONFIG_ENV)}")
+        for module in (gemv, ops[1]):  # launch settings for in-step measurements (benchmarks/README.md)
+            try:
+                overrides = module.load_overrides()
+            except ValueError as exc:
+                return None, str(exc)
+            if overrides:
+                say_once(log, f"Qwen3.5 decode kernels launch with {module.CONFIG_ENV} overrides (not the "
+                              f"measured defaults): {os.environ.get(module.CONFIG_ENV)}")
         cfg = binding.config
         probe = torch.empty(1, 1, cfg.conv_dim, dtype=dtype, device=device)
         why = ops[1].step_reason(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim)

@@ -19,6 +19,8 @@ group of 256 spans two 128-wide heads) and the rotation.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,45 @@ from .convrot import convrot_group_ok
 from .fused_ops import convrot_rows
 from .gemv import hadamard_cached, hadamard_rotate
 from .pdl import enter, launch_args, trigger, wait
+
+#: Launch overrides for in-step measurements (``load_overrides``): entries ``ROWS=BLOCKS,WARPS``, or
+#: ``ROWSr=BLOCKS,WARPS`` for the launches whose gated norm also writes the ConvRot output (an int8
+#: ConvRot ``out_proj``), separated by ``;`` (BLOCKS the value-column blocks per head, 1..16, and
+#: warps 1..16, powers of two). Read when a fused plan is built (each generation).
+CONFIG_ENV = "QWEN35_FAST_DELTANET_CONFIG"
+_OVERRIDES: dict[tuple[int, bool], tuple[int, int]] = {}
+
+
+def parse_overrides(text: str) -> dict[tuple[int, bool], tuple[int, int]]:
+    """``CONFIG_ENV``'s value -> ``{(rows, rotate): (blocks, warps)}``; ValueError naming the entry
+    and the form when one is malformed or out of range."""
+    form = "entries like '1r=4,4' or '4=2,8' (ROWS[r]=BLOCKS,WARPS) separated by ';'"
+    out = {}
+    for raw in text.split(";"):
+        entry = raw.strip()
+        if not entry:
+            continue
+        key, _, value = entry.partition("=")
+        key = key.strip()
+        rotate = key.endswith("r")
+        try:
+            rows = int(key[:-1] if rotate else key)
+            blocks, warps = (int(v) for v in value.split(","))
+        except ValueError:
+            raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {form}") from None
+        if not 1 <= rows <= 16 or not (_pow2(blocks) and blocks <= 16) or not (_pow2(warps) and warps <= 16):
+            raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (rows 1..16, blocks and warps powers of "
+                             f"two up to 16): {form}")
+        out[(rows, rotate)] = (blocks, warps)
+    return out
+
+
+def load_overrides() -> dict:
+    """Read ``CONFIG_ENV`` again (``FusedPlan.build``, each generation); returns the overrides in
+    force. ValueError (``parse_overrides``) leaves the previous ones."""
+    global _OVERRIDES
+    _OVERRIDES = parse_overrides(os.environ.get(CONFIG_ENV, ""))
+    return dict(_OVERRIDES)
 
 
 @triton.jit
@@ -302,7 +343,10 @@ def _config(dk: int, dv: int, rows: int, rotate: bool = False) -> tuple[int, int
     warps 10.0); 4 rows, 4 column blocks with 4 warps 12.8 us (whole heads, 8 warps 50.6): more
     programs hide the serial row chain, 4 warps keep the state tile out of local memory. ``rotate``
     (the gated norm's kernel writes a ConvRot-256 output): 1 row, 4 column blocks + that kernel
-    5.9 us against 8.0 for whole heads + a rotation launch (``--rotate 256``)."""
+    5.9 us against 8.0 for whole heads + a rotation launch (``--rotate 256``). ``CONFIG_ENV`` may
+    name another (checked against Dv at launch)."""
+    if (rows, rotate) in _OVERRIDES:
+        return _OVERRIDES[(rows, rotate)]
     if dv % 4 or dv // 4 < 16:
         return 1, 4
     if rows == 1 and not rotate:

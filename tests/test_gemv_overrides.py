@@ -1,6 +1,6 @@
-"""``QWEN35_FAST_GEMV_CONFIG``: launch overrides for measuring decode products in the step itself.
-The value is parsed into (config, split) per (kind, N, K), a malformed one is refused naming the
-format, and a fused plan built after the variable changes launches its products with the new
+"""``QWEN35_FAST_GEMV_CONFIG`` / ``QWEN35_FAST_DELTANET_CONFIG``: launch overrides for measuring
+decode kernels in the step itself. The value is parsed into settings per shape, a malformed one is
+refused naming the format, and a fused plan built after the variable changes launches with the new
 settings (the same tokens as the torch path), the measured defaults again once it is unset."""
 
 import argparse
@@ -10,7 +10,7 @@ import pytest
 import torch
 from qwen35_fast.engine import bind, generate
 from qwen35_fast.engine.fused import FusedPlan
-from qwen35_fast.kernels import gemv, interpreting
+from qwen35_fast.kernels import deltanet_step, gemv, interpreting
 
 from tests.oracles.tiny import engine_model, make_tiny
 
@@ -50,19 +50,22 @@ def tiny(tmp_path, test_seed):
 
 
 class _Spy:
-    """Stands in for ``gemv._gemv_kernel``: records each launch's grid, K, output columns and
-    (BLOCK_N, BLOCK_K, warps, stages)."""
+    """Stands in for a Triton kernel: records ``record(grid, args, kwargs)`` of each launch."""
 
-    def __init__(self, real):
-        self.real, self.launches = real, []
+    def __init__(self, real, record):
+        self.real, self.record, self.launches = real, record, []
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            cfg = (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"])
-            self.launches.append({"grid": tuple(grid), "k": args[14], "ns": tuple(n for n in args[16:20] if n),
-                                  "cfg": cfg})
+            self.launches.append(self.record(tuple(grid), args, kw))
             return self.real[grid](*args, **kw)
         return launch
+
+
+def _gemv_launch(grid, args, kw):
+    """A ``_gemv_kernel`` launch: grid, K, output columns, (BLOCK_N, BLOCK_K, warps, stages)."""
+    return {"grid": grid, "k": args[14], "ns": tuple(n for n in args[16:20] if n),
+            "cfg": (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"])}
 
 
 def _picked(n, k):
@@ -75,7 +78,7 @@ def _picked(n, k):
 def test_plan_launches_with_the_overrides(tiny, rng, monkeypatch):
     model, d = tiny
     h, inter = d["hidden_size"], d["intermediate_size"]
-    spy = _Spy(gemv._gemv_kernel)
+    spy = _Spy(gemv._gemv_kernel, _gemv_launch)
     monkeypatch.setattr(gemv, "_gemv_kernel", spy)
     prompt = torch.randn(1, 9, h, generator=rng)
     kw = dict(do_sample=False, max_length=14, stop_tokens=[], mtp="off", attention="torch")
@@ -115,6 +118,35 @@ def test_malformed_value_keeps_the_plan_off_and_says_why(tiny, monkeypatch):
     monkeypatch.delenv(ENV)
     plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
     assert plan is not None, why
+
+
+def test_deltanet_parse_reads_and_refuses():
+    assert deltanet_step.parse_overrides(" 1r=4,4; 4=2,8 ;1=1,2") == {
+        (1, True): (4, 4), (4, False): (2, 8), (1, False): (1, 2)}
+    for bad in ("1r=4", "x=4,4", "1=3,4", "1=4,32", "0=1,4", "1r4,4"):
+        with pytest.raises(ValueError, match=r"QWEN35_FAST_DELTANET_CONFIG: .*'1r=4,4'"):
+            deltanet_step.parse_overrides(bad)
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
+def test_plan_launches_the_deltanet_step_with_the_overrides(tiny, rng, monkeypatch):
+    """One row, fp32 (no rotation): whole heads by default; ``1=2,2`` splits each head's value
+    columns over 2 programs of 2 warps (the gated norm then runs in its own kernel)."""
+    model, d = tiny
+    spy = _Spy(deltanet_step._step_kernel, lambda grid, args, kw: (grid, kw["num_warps"]))
+    monkeypatch.setattr(deltanet_step, "_step_kernel", spy)
+    prompt = torch.randn(1, 9, d["hidden_size"], generator=rng)
+    kw = dict(do_sample=False, max_length=13, stop_tokens=[], mtp="off", attention="torch")
+    want = generate(model, prompt, fused=False, **kw).tokens
+    heads = d["linear_num_value_heads"]
+    for value, launch in ((None, ((heads, 1), 4)), ("1=2,2", ((heads, 2), 2)), (None, ((heads, 1), 4))):
+        if value is None:
+            monkeypatch.delenv(deltanet_step.CONFIG_ENV, raising=False)
+        else:
+            monkeypatch.setenv(deltanet_step.CONFIG_ENV, value)
+        spy.launches.clear()
+        assert generate(model, prompt, fused=True, **kw).tokens == want
+        assert spy.launches and set(spy.launches) == {launch}
 
 
 def test_benchmark_variants_set_and_restore_the_environment(monkeypatch):
