@@ -50,7 +50,8 @@ variables a generation reads when it builds its plan (``VARIANT_ENV``: the launc
 products, ``QWEN35_FAST_GEMV_CONFIG``, and of the DeltaNet step, ``QWEN35_FAST_DELTANET_CONFIG``;
 the L2 prefetch; PDL), right after the pack row; with
 ``--repeat N`` the rows of each max_length run N times over in that order: settings compared in
-one process, on one loaded model, interleaved.
+one process, on one loaded model, interleaved; the table then ends with each pack kind's median
+tok/s and its ratio to the pack row's (``compare``).
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
@@ -71,6 +72,7 @@ import gc
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -527,7 +529,31 @@ def markdown(run: dict) -> str:
                      f"| {r['floor_ms']:.2f} ({pct}) | {r['peak_gb']:.2f} | {wait} |")
     if first:
         lines += ["", "First generations of the process (the warm-ups): " + "; ".join(first) + "."]
+    medians = compare(run["rows"])
+    if medians:
+        lines += ["", "| file | max_length | path | runs | median tok/s | against pack |", "|---|---|---|---|---|---|"]
+        lines += [f"| {m['format']} | {m['max_length']} | {m['kind']} | {m['runs']} | {m['tok_s']:.1f} | "
+                  f"{m['ratio']:.3f} |" for m in medians]
     return "\n".join(lines)
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Median tok/s per (format, max_length, kind) of the pack rows and their ``--variants``, with
+    the ratio to that format's and max_length's ``pack`` median; empty unless some variant or a
+    ``--repeat`` gave more than one pack-kind row there."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["kind"] == "pack" or r["kind"].startswith("pack@"):
+            groups.setdefault((r["format"], r["max_length"], r["kind"]), []).append(r["tok_s"])
+    if all(len(v) == 1 for v in groups.values()) and not any("@" in key[2] for key in groups):
+        return []
+    out = []
+    for (fmt, length, kind), values in groups.items():
+        base = groups.get((fmt, length, "pack"))
+        med = statistics.median(values)
+        out.append({"format": fmt, "max_length": length, "kind": kind, "runs": len(values), "tok_s": med,
+                    "ratio": med / statistics.median(base) if base else float("nan")})
+    return out
 
 
 def main() -> None:

@@ -168,3 +168,19 @@ def test_benchmark_variants_set_and_restore_the_environment(monkeypatch):
             value, "0", "0")
     assert ENV not in os.environ and "QWEN35_FAST_PDL" not in os.environ
     assert os.environ["QWEN35_FAST_L2_PREFETCH_KB"] == "4096"
+
+
+def test_benchmark_compares_medians_with_the_pack_row():
+    """``comfy_e2e.compare``: per format and max_length, each pack kind's median over its runs and
+    its ratio to the plain pack row's median; nothing to compare without variants or repeats."""
+    from benchmarks.comfy_e2e import compare
+
+    def r(kind, tok_s, fmt="int8", length=4096):
+        return {"format": fmt, "kind": kind, "max_length": length, "tok_s": tok_s}
+
+    rows = [r("first-use", 1.0), r("pack", 300.0), r("pack@a", 330.0), r("core", 9.0), r("pack", 310.0),
+            r("pack@a", 320.0), r("pack", 350.0), r("pack@a", 336.0), r("pack", 100.0, "bf16")]
+    got = {(m["format"], m["kind"]): (m["runs"], m["tok_s"], round(m["ratio"], 6)) for m in compare(rows)}
+    assert got == {("int8", "pack"): (3, 310.0, 1.0), ("int8", "pack@a"): (3, 330.0, round(330 / 310, 6)),
+                   ("bf16", "pack"): (1, 100.0, 1.0)}
+    assert compare([r("pack", 300.0), r("pack", 200.0, "bf16"), r("core", 9.0)]) == []
