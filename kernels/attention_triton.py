@@ -219,6 +219,8 @@ def default_config(d: int, itemsize: int, block_m: int, smem_limit: int, start: 
 def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_split: int | None,
                 config: dict | None, pending: int = 0):
     """The split pass: ``(o_part, lse_part, n_split, merge launch keywords)``."""
+    if pending and lengths.dtype != torch.int32:  # the merge adds them to lengths as int32
+        raise ValueError(f"decode attention: pending={pending} needs int32 lengths, got {lengths.dtype}")
     b_sz, hq, s, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -276,8 +278,8 @@ def triton_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: f
     not yet added: ``KVCache.write_rows(count_later=True)``); attention sees all of them and the
     merge adds P to ``lengths`` (int32, one launch fewer than adding it before).
     """
-    if pending and (split_only or lengths.dtype != torch.int32):
-        raise ValueError(f"decode attention: pending={pending} needs int32 lengths ({lengths.dtype}) and the merge")
+    if pending and split_only:
+        raise ValueError(f"decode attention: pending={pending} needs the merge (split_only=False)")
     q, k_cache, v_cache = _contiguous_last(q, k_cache, v_cache)
     o_part, lse_part, n_split, merge_launch = _split_pass(q, k_cache, v_cache, lengths, causal, scale, n_split,
                                                           config, pending)
@@ -313,8 +315,6 @@ def triton_decode_attention_gated(q, k_cache, v_cache, lengths, causal: bool, sc
     if gate.shape != (b_sz, s, hq, d) or gate.dtype != q.dtype or gate.stride(-1) != 1:
         raise ValueError(f"decode attention gate: expected [B,S,Hq,D] = {(b_sz, s, hq, d)} in {q.dtype} with a "
                          f"contiguous last dim, got {tuple(gate.shape)} {gate.dtype}")
-    if pending and lengths.dtype != torch.int32:
-        raise ValueError(f"decode attention: pending={pending} needs int32 lengths, got {lengths.dtype}")
     o_part, lse_part, n_split, merge_launch = _split_pass(q, k_cache, v_cache, lengths, causal, scale, n_split,
                                                           config, pending)
     out = torch.empty(b_sz, s, hq * d, dtype=q.dtype, device=q.device)

@@ -70,9 +70,23 @@ __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "h
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
+_PREFETCH_ENV = "QWEN35_FAST_L2_PREFETCH_KB"
+
+
+def _prefetch_bytes() -> int:
+    """``_PREFETCH_ENV`` (KB, default 8192) in bytes; ValueError naming it when it is no number."""
+    kb = os.environ.get(_PREFETCH_ENV, "8192")
+    try:
+        return int(kb) << 10
+    except ValueError:
+        raise ValueError(f"{_PREFETCH_ENV}={kb!r} is not a whole number of KB (0 turns it off)") from None
+
+
 #: Bytes of the next product's weight a product asks L2 for (``gemv_group(prefetch=)``): 8 MB measured
-#: best of 4, 8 and 16 (``QWEN35_FAST_L2_PREFETCH_KB`` overrides; 0 turns it off).
-PREFETCH_BYTES = int(os.environ.get("QWEN35_FAST_L2_PREFETCH_KB", "8192")) << 10
+#: best of 4, 8 and 16 (``QWEN35_FAST_L2_PREFETCH_KB`` overrides; 0 turns it off; read again by
+#: ``load_overrides``).
+PREFETCH_BYTES = _prefetch_bytes()
+
 #: Launch overrides for in-step measurements (``load_overrides``): entries ``KIND:NxK=BN,BK,WARPS,STAGES``,
 #: ``KIND:NxK=/SPLIT`` or both (``KIND:NxK=BN,BK,WARPS,STAGES/SPLIT``), separated by ``;``. KIND is
 #: ``quant`` (int8 / fp8 weights) or ``float``; N is a launch's output columns in all (a group's
@@ -80,7 +94,6 @@ PREFETCH_BYTES = int(os.environ.get("QWEN35_FAST_L2_PREFETCH_KB", "8192")) << 10
 #: weight. Read when a fused plan is built (each generation), so one process can compare settings.
 CONFIG_ENV = "QWEN35_FAST_GEMV_CONFIG"
 _OVERRIDES: dict[tuple[bool, int, int], tuple[tuple[int, int, int, int] | None, int | None]] = {}
-_OVERRIDES_TEXT = ""
 
 
 @triton.jit
@@ -256,17 +269,9 @@ def load_overrides() -> dict:
     """Read ``CONFIG_ENV`` (and ``QWEN35_FAST_L2_PREFETCH_KB``) again; ``FusedPlan.build`` calls it
     for each generation, so launches captured after it use the new values. Returns the overrides in
     force; ValueError (``parse_overrides``) leaves the previous ones in force."""
-    global _OVERRIDES, _OVERRIDES_TEXT, PREFETCH_BYTES
-    text = os.environ.get(CONFIG_ENV, "")
-    kb = os.environ.get("QWEN35_FAST_L2_PREFETCH_KB", "8192")
-    try:
-        prefetch = int(kb) << 10
-    except ValueError:
-        raise ValueError(f"QWEN35_FAST_L2_PREFETCH_KB={kb!r} is not a whole number of KB (0 turns it off)") from None
-    if text != _OVERRIDES_TEXT:
-        _OVERRIDES = parse_overrides(text)
-        _OVERRIDES_TEXT = text
-    PREFETCH_BYTES = prefetch
+    global _OVERRIDES, PREFETCH_BYTES
+    prefetch, overrides = _prefetch_bytes(), parse_overrides(os.environ.get(CONFIG_ENV, ""))
+    _OVERRIDES, PREFETCH_BYTES = overrides, prefetch
     return dict(_OVERRIDES)
 
 
