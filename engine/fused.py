@@ -178,9 +178,10 @@ class FusedPlan:
         ops, why = _triton_ops()
         if ops is None:
             return None, why
-        from ..kernels import gemv
+        from ..kernels import attention_triton, gemv
 
-        for module in (gemv, ops[1]):  # launch settings for in-step measurements (benchmarks/README.md)
+        # launch settings for in-step measurements (benchmarks/README.md)
+        for module in (gemv, ops[1], attention_triton):
             try:
                 overrides = module.load_overrides()
             except ValueError as exc:

@@ -1,7 +1,8 @@
-"""``QWEN35_FAST_GEMV_CONFIG`` / ``QWEN35_FAST_DELTANET_CONFIG``: launch overrides for measuring
-decode kernels in the step itself. The value is parsed into settings per shape, a malformed one is
-refused naming the format, and a fused plan built after the variable changes launches with the new
-settings (the same tokens as the torch path), the measured defaults again once it is unset."""
+"""``QWEN35_FAST_GEMV_CONFIG`` / ``QWEN35_FAST_DELTANET_CONFIG`` / ``QWEN35_FAST_ATTENTION_CONFIG``:
+launch overrides for measuring decode kernels in the step itself. The value is parsed into settings
+per shape, a malformed one is refused naming the format, and a fused plan built after the variable
+changes launches with the new settings (the same tokens as the torch path), the measured defaults
+again once it is unset."""
 
 import argparse
 import os
@@ -10,7 +11,7 @@ import pytest
 import torch
 from qwen35_fast.engine import bind, generate
 from qwen35_fast.engine.fused import FusedPlan
-from qwen35_fast.kernels import deltanet_step, gemv, interpreting
+from qwen35_fast.kernels import attention_triton, deltanet_step, gemv, interpreting
 
 from tests.oracles.tiny import engine_model, make_tiny
 
@@ -144,6 +145,37 @@ def test_plan_launches_the_deltanet_step_with_the_overrides(tiny, rng, monkeypat
             monkeypatch.delenv(deltanet_step.CONFIG_ENV, raising=False)
         else:
             monkeypatch.setenv(deltanet_step.CONFIG_ENV, value)
+        spy.launches.clear()
+        assert generate(model, prompt, fused=True, **kw).tokens == want
+        assert spy.launches and set(spy.launches) == {launch}
+
+
+def test_attention_parse_reads_and_refuses():
+    assert attention_triton.parse_overrides(" 1=66; 4=33,32,2,8 ;") == {
+        1: (66, None), 4: (33, {"BLOCK_N": 32, "num_stages": 2, "num_warps": 8})}
+    for bad in ("1=", "x=4", "0=4", "1=0", "1=129", "1=4,32,2", "1=4,48,2,4", "1=4,32,9,4", "1=4,32,2,3", "1:4"):
+        with pytest.raises(ValueError, match=r"QWEN35_FAST_ATTENTION_CONFIG: .*'4=33,32,2,8'"):
+            attention_triton.parse_overrides(bad)
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
+def test_plan_launches_the_attention_with_the_overrides(tiny, rng, monkeypatch):
+    """One row, triton attention: the interpreter's 4 splits and the default tile; ``1=3,16,1,2``
+    cuts the cache in 3 splits of 16-row tiles, 1 stage, 2 warps; same tokens as the torch path."""
+    model, d = tiny
+    spy = _Spy(attention_triton._split_kernel,
+               lambda grid, args, kw: (grid[1], kw["BLOCK_N"], kw["num_stages"], kw["num_warps"]))
+    monkeypatch.setattr(attention_triton, "_split_kernel", spy)
+    prompt = torch.randn(1, 9, d["hidden_size"], generator=rng)
+    kw = dict(do_sample=False, max_length=13, stop_tokens=[], mtp="off", attention="triton")
+    want = generate(model, prompt, fused=False, **dict(kw, attention="torch")).tokens
+    default = attention_triton.default_config(d["head_dim"], 4, 16, 1 << 30)
+    default = (4, default["BLOCK_N"], default["num_stages"], default["num_warps"])
+    for value, launch in ((None, default), ("1=3,16,1,2", (3, 16, 1, 2)), (None, default)):
+        if value is None:
+            monkeypatch.delenv(attention_triton.CONFIG_ENV, raising=False)
+        else:
+            monkeypatch.setenv(attention_triton.CONFIG_ENV, value)
         spy.launches.clear()
         assert generate(model, prompt, fused=True, **kw).tokens == want
         assert spy.launches and set(spy.launches) == {launch}
