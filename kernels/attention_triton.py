@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
@@ -28,6 +27,7 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
+from .overrides import EnvOverrides, pow2_between
 from .pdl import launch_args, trigger, wait
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 #: ``default_config``). Read when a fused plan is built (each generation); an explicit ``n_split`` /
 #: ``config`` argument still wins.
 CONFIG_ENV = "QWEN35_FAST_ATTENTION_CONFIG"
-_OVERRIDES: dict[int, tuple[int, dict | None]] = {}
 
 
 def parse_overrides(text: str) -> dict[int, tuple[int, dict | None]]:
@@ -57,9 +56,9 @@ def parse_overrides(text: str) -> dict[int, tuple[int, dict | None]]:
             nums = [int(v) for v in value.split(",")]
         except ValueError:
             raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {form}") from None
-        pow2 = lambda v, lo, hi: lo <= v <= hi and v & (v - 1) == 0  # noqa: E731
         if (not 1 <= rows <= 16 or len(nums) not in (1, 4) or not 1 <= nums[0] <= 128
-                or (len(nums) == 4 and not (pow2(nums[1], 16, 256) and 1 <= nums[2] <= 8 and pow2(nums[3], 1, 16)))):
+                or (len(nums) == 4 and not (pow2_between(nums[1], 16, 256) and 1 <= nums[2] <= 8
+                                            and pow2_between(nums[3], 1, 16)))):
             raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (S 1..16, splits 1..128, BLOCK_N a power "
                              f"of two 16..256, stages 1..8, warps 1..16 a power of two): {form}")
         cfg = dict(BLOCK_N=nums[1], num_stages=nums[2], num_warps=nums[3]) if len(nums) == 4 else None
@@ -67,12 +66,13 @@ def parse_overrides(text: str) -> dict[int, tuple[int, dict | None]]:
     return out
 
 
+_OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
+
+
 def load_overrides() -> dict:
     """Read ``CONFIG_ENV`` again (``FusedPlan.build``, each generation); returns the overrides in
     force. ValueError (``parse_overrides``) leaves the previous ones."""
-    global _OVERRIDES
-    _OVERRIDES = parse_overrides(os.environ.get(CONFIG_ENV, ""))
-    return dict(_OVERRIDES)
+    return _OVERRIDES.load()
 
 
 @triton.jit
@@ -270,8 +270,9 @@ def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_spli
     rows = g * s
     block_m = max(16, triton.next_power_of_2(min(rows, 64)))
     n_mb = -(-rows // block_m)
-    forced_split, forced_cfg = _OVERRIDES.get(s, (None, None)) if _OVERRIDES else (None, None)
+    forced_split, forced_cfg = _OVERRIDES.values.get(s, (None, None))
     n_split = n_split or forced_split or default_splits(q, hkv, n_mb)
+    tile_from_env = config is None and forced_cfg is not None
     config = config or forced_cfg
     key = (str(q.device), q.dtype, d, block_m)
     smem = _device_limits(q.device.index or 0)[1] if q.device.type == "cuda" else 1 << 30
@@ -298,7 +299,7 @@ def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_spli
             break
         except OutOfResources as exc:  # the estimate missed: take the next smaller tile, once per shape
             nxt = _SHRUNK.get(key, 0) + 1
-            if config is forced_cfg and config is not None:
+            if tile_from_env:
                 raise ValueError(f"{CONFIG_ENV}: the tile of entry {s}= does not fit this GPU: {exc}") from exc
             if config or nxt >= len(_TILES):
                 raise

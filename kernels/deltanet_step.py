@@ -19,8 +19,6 @@ group of 256 spans two 128-wide heads) and the rotation.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +26,7 @@ import triton.language as tl
 from .convrot import convrot_group_ok
 from .fused_ops import convrot_rows
 from .gemv import hadamard_cached, hadamard_rotate
+from .overrides import EnvOverrides
 from .pdl import enter, launch_args, trigger, wait
 
 #: Launch overrides for in-step measurements (``load_overrides``): entries ``ROWS=BLOCKS,WARPS``, or
@@ -35,7 +34,6 @@ from .pdl import enter, launch_args, trigger, wait
 #: ConvRot ``out_proj``), separated by ``;`` (BLOCKS the value-column blocks per head, 1..16, and
 #: warps 1..16, powers of two). Read when a fused plan is built (each generation).
 CONFIG_ENV = "QWEN35_FAST_DELTANET_CONFIG"
-_OVERRIDES: dict[tuple[int, bool], tuple[int, int]] = {}
 
 
 def parse_overrides(text: str) -> dict[tuple[int, bool], tuple[int, int]]:
@@ -62,12 +60,13 @@ def parse_overrides(text: str) -> dict[tuple[int, bool], tuple[int, int]]:
     return out
 
 
+_OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
+
+
 def load_overrides() -> dict:
     """Read ``CONFIG_ENV`` again (``FusedPlan.build``, each generation); returns the overrides in
     force. ValueError (``parse_overrides``) leaves the previous ones."""
-    global _OVERRIDES
-    _OVERRIDES = parse_overrides(os.environ.get(CONFIG_ENV, ""))
-    return dict(_OVERRIDES)
+    return _OVERRIDES.load()
 
 
 @triton.jit
@@ -345,8 +344,8 @@ def _config(dk: int, dv: int, rows: int, rotate: bool = False) -> tuple[int, int
     (the gated norm's kernel writes a ConvRot-256 output): 1 row, 4 column blocks + that kernel
     5.9 us against 8.0 for whole heads + a rotation launch (``--rotate 256``). ``CONFIG_ENV`` may
     name another (checked against Dv at launch)."""
-    if (rows, rotate) in _OVERRIDES:
-        return _OVERRIDES[(rows, rotate)]
+    if (rows, rotate) in _OVERRIDES.values:
+        return _OVERRIDES.values[(rows, rotate)]
     if dv % 4 or dv // 4 < 16:
         return 1, 4
     if rows == 1 and not rotate:

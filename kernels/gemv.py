@@ -62,6 +62,7 @@ import triton.language as tl
 
 from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
+from .overrides import EnvOverrides, pow2_between
 from .pdl import enter, launch_args, trigger, wait
 from .row_norm import RowNorm
 
@@ -93,7 +94,6 @@ PREFETCH_BYTES = _prefetch_bytes()
 #: sum: 12352 for a 9B DeltaNet layer's inputs), K its width; SPLIT replaces ``split_k`` for that
 #: weight. Read when a fused plan is built (each generation), so one process can compare settings.
 CONFIG_ENV = "QWEN35_FAST_GEMV_CONFIG"
-_OVERRIDES: dict[tuple[bool, int, int], tuple[tuple[int, int, int, int] | None, int | None]] = {}
 
 
 @triton.jit
@@ -253,10 +253,10 @@ def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, i
         except ValueError:
             raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {_FORMAT}") from None
         kind = kind.strip()
-        pow2 = lambda v, lo, hi: lo <= v <= hi and v & (v - 1) == 0  # noqa: E731
         bad = (kind not in ("quant", "float") or n < 1 or k < 1 or (cfg is None and split is None)
-               or (cfg is not None and (len(cfg) != 4 or not pow2(cfg[0], 16, 1024) or not pow2(cfg[1], 16, 1024)
-                                        or not pow2(cfg[2], 1, 16) or not 1 <= cfg[3] <= 8))
+               or (cfg is not None and (len(cfg) != 4 or not pow2_between(cfg[0], 16, 1024)
+                                        or not pow2_between(cfg[1], 16, 1024)
+                                        or not pow2_between(cfg[2], 1, 16) or not 1 <= cfg[3] <= 8))
                or (split is not None and not 1 <= split <= 64))
         if bad:
             raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (kind quant or float, BLOCK_N and BLOCK_K "
@@ -265,20 +265,24 @@ def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, i
     return out
 
 
+_OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
+
+
 def load_overrides() -> dict:
     """Read ``CONFIG_ENV`` (and ``QWEN35_FAST_L2_PREFETCH_KB``) again; ``FusedPlan.build`` calls it
     for each generation, so launches captured after it use the new values. Returns the overrides in
     force; ValueError (``parse_overrides``) leaves the previous ones in force."""
-    global _OVERRIDES, PREFETCH_BYTES
-    prefetch, overrides = _prefetch_bytes(), parse_overrides(os.environ.get(CONFIG_ENV, ""))
-    _OVERRIDES, PREFETCH_BYTES = overrides, prefetch
-    return dict(_OVERRIDES)
+    global PREFETCH_BYTES
+    prefetch = _prefetch_bytes()  # both read before either is set
+    overrides = _OVERRIDES.load()
+    PREFETCH_BYTES = prefetch
+    return overrides
 
 
 def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of a launch: ``CONFIG_ENV``'s for (quant, n, k) when it
     names one (``load_overrides``), else ``_default_config``'s measured pick."""
-    cfg = _OVERRIDES.get((quant, n, k), (None, None))[0] if _OVERRIDES else None
+    cfg = _OVERRIDES.values.get((quant, n, k), (None, None))[0]
     return cfg if cfg is not None else _default_config(n, k, quant)
 
 
@@ -326,7 +330,7 @@ def split_k(n: int, k: int, quant: bool = False) -> int:
     columns, too few to keep an H200's memory busy: int8 splits K in 4 (the 9B MLP down projection
     17 us against 22, the 4096x4096 outputs 8.1 against 9.2), bf16 in 2 (27 against 28, 10.8
     against 12.1); wider outputs are not split. ``CONFIG_ENV`` may name another split for (n, k)."""
-    split = _OVERRIDES.get((quant, n, k), (None, None))[1] if _OVERRIDES else None
+    split = _OVERRIDES.values.get((quant, n, k), (None, None))[1]
     if split is not None:
         return split
     if n > 8192:

@@ -63,6 +63,14 @@ class _Spy:
         return launch
 
 
+def _set_env(monkeypatch, var: str, value: str | None) -> None:
+    """``var`` set to ``value``, or unset when ``value`` is None (restored after the test)."""
+    if value is None:
+        monkeypatch.delenv(var, raising=False)
+    else:
+        monkeypatch.setenv(var, value)
+
+
 def _gemv_launch(grid, args, kw):
     """A ``_gemv_kernel`` launch: grid, K, output columns, (BLOCK_N, BLOCK_K, warps, stages)."""
     return {"grid": grid, "k": args[14], "ns": tuple(n for n in args[16:20] if n),
@@ -87,10 +95,7 @@ def test_plan_launches_with_the_overrides(tiny, rng, monkeypatch):
 
     def run(value):
         """Tokens, the MLP down launches (h columns over the intermediate width) and the gate/up ones."""
-        if value is None:
-            monkeypatch.delenv(ENV, raising=False)
-        else:
-            monkeypatch.setenv(ENV, value)
+        _set_env(monkeypatch, ENV, value)
         spy.launches.clear()
         tokens = generate(model, prompt, fused=True, **kw).tokens
         down = [x for x in spy.launches if x["ns"] == (h,) and x["k"] == inter]
@@ -141,10 +146,7 @@ def test_plan_launches_the_deltanet_step_with_the_overrides(tiny, rng, monkeypat
     want = generate(model, prompt, fused=False, **kw).tokens
     heads = d["linear_num_value_heads"]
     for value, launch in ((None, ((heads, 1), 4)), ("1=2,2", ((heads, 2), 2)), (None, ((heads, 1), 4))):
-        if value is None:
-            monkeypatch.delenv(deltanet_step.CONFIG_ENV, raising=False)
-        else:
-            monkeypatch.setenv(deltanet_step.CONFIG_ENV, value)
+        _set_env(monkeypatch, deltanet_step.CONFIG_ENV, value)
         spy.launches.clear()
         assert generate(model, prompt, fused=True, **kw).tokens == want
         assert spy.launches and set(spy.launches) == {launch}
@@ -172,10 +174,7 @@ def test_plan_launches_the_attention_with_the_overrides(tiny, rng, monkeypatch):
     default = attention_triton.default_config(d["head_dim"], 4, 16, 1 << 30)
     default = (4, default["BLOCK_N"], default["num_stages"], default["num_warps"])
     for value, launch in ((None, default), ("1=3,16,1,2", (3, 16, 1, 2)), (None, default)):
-        if value is None:
-            monkeypatch.delenv(attention_triton.CONFIG_ENV, raising=False)
-        else:
-            monkeypatch.setenv(attention_triton.CONFIG_ENV, value)
+        _set_env(monkeypatch, attention_triton.CONFIG_ENV, value)
         spy.launches.clear()
         assert generate(model, prompt, fused=True, **kw).tokens == want
         assert spy.launches and set(spy.launches) == {launch}
