@@ -34,22 +34,29 @@ kernels issuing the same prefetch themselves after their own loads (4 MB: 275 to
 their few programs cannot issue that many lines quickly, and the product waits for them), or
 through 128 prefetch-only programs of their own (8 MB: 310.5 against 323.4).
 
-What was measured slower on an H200 and removed (``benchmarks/int8_gemv.py``): the SiLU product computed inside the down
-projection's tiles (every program recomputes it per tile: 99 us against 33 for ``silu_mul`` +
-cuBLAS), the ConvRot rotation inside the product's tiles (two 16-wide products and layout shuffles
-per tile: 17 us against 12 for a rotation launch + the product at 4096x4096), one-row products on
-the CUDA cores instead of the tensor cores (2-3x slower), the weight tile as the dot's left
-operand (no faster at any shape), and the next residual add + RMSNorm done by a split-K product's
-last program (a device finish counter, the row normalized in 512-column pieces: 278 against 312
-tok/s int8 9B MTP off, 518 against 787 with forced MTP-3 at 4096 in one ``comfy_e2e.py`` run: one
-program normalizing whole rows after the product costs more than the norm kernel's launch), and
-one tile loop for the whole group, the program's weight picked by scalars before it: that
-reserves one weight's pipeline buffers instead of one set per weight (Triton reserves each
-branch's buffers apart), 32 KB instead of 128 KB per DeltaNet-inputs program and 72 KB instead of
-144 KB for gate/up, and is as fast launch by launch (``int8_gemv.py --sweep``), yet the 9B int8
-step in ComfyUI ran 307.0 / 306.6 tok/s against 328.5 / 328.6 (forced MTP-3 791 against 844, bf16
-212.0 against 217.7). A likely cause, not measured: with less shared memory per program more of a
-product's programs share each SM, and the kernels launched behind it find less room.
+What was measured slower on an H200 and removed (``benchmarks/int8_gemv.py``): int8 widened to bf16
+by a longer integer sequence than Triton's own (Triton 3.6 already widens without the conversion
+units: one permute that sets the byte 0x43 above each value, two masks and one packed bf16
+subtraction per pair): 0x4300 | the low 7 bits plus 0xC300 | the sign bit in one packed FMA, six
+instructions per pair, ran the 9B int8 step in ComfyUI at 308.4 against 336.3 tok/s and the step's
+products at 2669 against 2427 us launch by launch (timed as ``int8_gemv.py`` times them; through
+float32, 2^23 + byte - (2^23 + 128): 2505 us), bit-identical products each: two more instructions
+per pair in the tile loop cost 10%; the SiLU product computed inside the down projection's tiles
+(every program recomputes it per tile: 99 us against 33 for ``silu_mul`` + cuBLAS), the ConvRot
+rotation inside the product's tiles (two 16-wide products and layout shuffles per tile: 17 us
+against 12 for a rotation launch + the product at 4096x4096), one-row products on the CUDA cores
+instead of the tensor cores (2-3x slower), the weight tile as the dot's left operand (no faster at
+any shape), and the next residual add + RMSNorm done by a split-K product's last program (a device
+finish counter, the row normalized in 512-column pieces: 278 against 312 tok/s int8 9B MTP off, 518
+against 787 with forced MTP-3 at 4096 in one ``comfy_e2e.py`` run: one program normalizing whole
+rows after the product costs more than the norm kernel's launch), and one tile loop for the whole
+group, the program's weight picked by scalars before it: that reserves one weight's pipeline buffers
+instead of one set per weight (Triton reserves each branch's buffers apart), 32 KB instead of 128 KB
+per DeltaNet-inputs program and 72 KB instead of 144 KB for gate/up, and is as fast launch by launch
+(``int8_gemv.py --sweep``), yet the 9B int8 step in ComfyUI ran 307.0 / 306.6 tok/s against 328.5 /
+328.6 (forced MTP-3 791 against 844, bf16 212.0 against 217.7). A likely cause, not measured: with
+less shared memory per program more of a product's programs share each SM, and the kernels launched
+behind it find less room.
 """
 
 from __future__ import annotations
@@ -292,10 +299,12 @@ def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, int, int,
     ``benchmarks/results/int8_gemv_h200.json``). int8: 64 columns, 256-wide tiles for 16384 columns
     and more (gate+up, the 248k-row output projection at its floor); 32 columns, 128-wide tiles,
     5 stages for a DeltaNet layer's four inputs (12352 columns: 18 us against 23); 2 warps for
-    the MLP down projection (at most 8192 columns over more than 8192: in the 9B int8 decode step
-    in ComfyUI 332.8 tok/s against 328.9 / 328.1 with 4 warps in one run, 335.8 / 335.7 against
-    330.8 / 330.4 in another, on the greedy token step); else 32 columns, 256-wide tiles, 4
-    stages. bf16: 128 columns, 128-wide tiles, 8 warps for the output
+    at most 8192 columns: the MLP down projection (in the 9B int8 decode step in ComfyUI 332.8
+    tok/s against 328.9 / 328.1 with 4 warps in one run, 335.8 / 335.7 against 330.8 / 330.4 in
+    another, on the greedy token step) and the 4096x4096 outputs, DeltaNet out and attention o
+    (336.5 / 337.0 / 336.6 against 334.2 / 334.6 / 334.7 with 4 warps, interleaved in one run;
+    2 warps for the 10240-column q/k/v instead: 334.2, no gain); else 32 columns, 256-wide tiles,
+    4 warps, 4 stages. bf16: 128 columns, 128-wide tiles, 8 warps for the output
     projection (444 us against 459) and the DeltaNet inputs (27 us against 31); 64 columns for
     gate+up; 32 columns, 128-wide tiles, 5 stages for q/k/v; else 32 columns, 256-wide tiles.
 
@@ -310,7 +319,7 @@ def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, int, int,
             return 64, 256, 4, 4
         if 11264 <= n < 16384 and k < 8192:
             return 32, 128, 4, 5
-        if n <= 8192 < k:
+        if n <= 8192:
             return 32, 256, 2, 4
         return 32, 256, 4, 4
     if n >= 65536:
