@@ -27,7 +27,7 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
-from .overrides import EnvOverrides, pow2_between
+from .overrides import EnvOverrides, entries, pow2_between
 from .pdl import launch_args, trigger, wait
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,7 @@ def parse_overrides(text: str) -> dict[int, tuple[int, dict | None]]:
     ValueError naming the entry and the form when one is malformed or out of range."""
     form = "entries like '1=66' or '4=33,32,2,8' (S=SPLITS[,BLOCK_N,STAGES,WARPS]) separated by ';'"
     out = {}
-    for raw in text.split(";"):
-        entry = raw.strip()
-        if not entry:
-            continue
+    for entry in entries(text):
         key, _, value = entry.partition("=")
         try:
             rows = int(key)

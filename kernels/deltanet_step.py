@@ -26,7 +26,7 @@ import triton.language as tl
 from .convrot import convrot_group_ok
 from .fused_ops import convrot_rows
 from .gemv import hadamard_cached, hadamard_rotate
-from .overrides import EnvOverrides
+from .overrides import EnvOverrides, entries, pow2_between
 from .pdl import enter, launch_args, trigger, wait
 
 #: Launch overrides for in-step measurements (``load_overrides``): entries ``ROWS=BLOCKS,WARPS``, or
@@ -41,10 +41,7 @@ def parse_overrides(text: str) -> dict[tuple[int, bool], tuple[int, int]]:
     and the form when one is malformed or out of range."""
     form = "entries like '1r=4,4' or '4=2,8' (ROWS[r]=BLOCKS,WARPS) separated by ';'"
     out = {}
-    for raw in text.split(";"):
-        entry = raw.strip()
-        if not entry:
-            continue
+    for entry in entries(text):
         key, _, value = entry.partition("=")
         key = key.strip()
         rotate = key.endswith("r")
@@ -53,7 +50,7 @@ def parse_overrides(text: str) -> dict[tuple[int, bool], tuple[int, int]]:
             blocks, warps = (int(v) for v in value.split(","))
         except ValueError:
             raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {form}") from None
-        if not 1 <= rows <= 16 or not (_pow2(blocks) and blocks <= 16) or not (_pow2(warps) and warps <= 16):
+        if not 1 <= rows <= 16 or not pow2_between(blocks, 1, 16) or not pow2_between(warps, 1, 16):
             raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (rows 1..16, blocks and warps powers of "
                              f"two up to 16): {form}")
         out[(rows, rotate)] = (blocks, warps)

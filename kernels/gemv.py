@@ -69,7 +69,7 @@ import triton.language as tl
 
 from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
-from .overrides import EnvOverrides, pow2_between
+from .overrides import EnvOverrides, entries, pow2_between
 from .pdl import enter, launch_args, trigger, wait
 from .row_norm import RowNorm
 
@@ -246,10 +246,7 @@ def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, i
     naming the entry and the format when one is malformed or out of range (BLOCK_N, BLOCK_K powers
     of two from 16 to 1024, warps 1..16 a power of two, stages 1..8, split 1..64)."""
     out = {}
-    for raw in text.split(";"):
-        entry = raw.strip()
-        if not entry:
-            continue
+    for entry in entries(text):
         try:
             kind, rest = entry.split(":", 1)
             shape, value = rest.split("=", 1)

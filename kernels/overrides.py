@@ -6,7 +6,15 @@ per generation), so one process can compare launch settings (``benchmarks/comfy_
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+
+def entries(text: str) -> Iterator[str]:
+    """The ``;``-separated entries of a variable's value, stripped, empty ones skipped."""
+    for raw in text.split(";"):
+        entry = raw.strip()
+        if entry:
+            yield entry
 
 
 def pow2_between(v: int, lo: int, hi: int) -> bool:
