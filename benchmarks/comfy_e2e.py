@@ -363,7 +363,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                     tl = token_timeline(lambda n: clock.run(lambda: bridge.run_engine(
                         target, embeds, max_length=4096, mtp=3,
                         mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), n),
-                        long=max(60, args.tokens - 20))
+                        long=max(60, args.tokens - 20), steps=4)
             else:
                 with launches(kind):
                     tl = token_timeline(lambda n: clock.run(lambda: patched.generate(tokens, max_length=4096,

@@ -71,23 +71,24 @@ def _stats(kernels, host_gap_us: float, one_off_us: float) -> dict:
     return {"busy": busy, "short": short, "long": long, "names": names, "where": where}
 
 
-def _one_step(kernels, markers: tuple[str, ...] = ("_argmax_final_kernel", "ArgMax")) -> list[dict]:
-    """The kernels between two consecutive marker kernels in the middle of a trace (MTP off: the
-    greedy draw ends each step; ``kernels/argmax.py``'s in the step itself, torch's after it), in
-    GPU order: name, start after the first one's end, duration."""
+def _one_step(kernels, markers: tuple[str, ...] = ("_argmax_final_kernel", "ArgMax"), steps: int = 1) -> list[dict]:
+    """The kernels between consecutive marker kernels in the middle of a trace (MTP off: the greedy
+    draw ends each step; ``kernels/argmax.py``'s in the step itself, torch's after it), ``steps``
+    such segments in a row (forced MTP-3: 4, a draft's and the verify's draws each end one), in GPU
+    order: name, start after the first segment's first marker's end, duration."""
     at = [i for i, (_s, _e, name) in enumerate(kernels) if any(m in name for m in markers)]
-    if len(at) < 3:
+    if len(at) < 2 + steps:
         return []
-    i, j = at[len(at) // 2 - 1], at[len(at) // 2]
+    i, j = at[len(at) // 2 - 1], at[len(at) // 2 - 1 + steps]
     t0 = kernels[i][1]
     return [{"kernel": name[:70], "start_us": round(s - t0, 2), "us": round(e - s, 2)}
             for s, e, name in kernels[i + 1:j + 1]]
 
 
 def token_timeline(generate_n, short: int = 40, long: int = 140, host_gap_us: float = 20.0,
-                   one_off_us: float = 5000.0, top: int = 30) -> dict:
+                   one_off_us: float = 5000.0, top: int = 30, steps: int = 1) -> dict:
     """``generate_n(n)`` runs a generation of n tokens; returns the per-token split (module docstring)
-    and ``step``: one step's kernels in order (``_one_step``)."""
+    and ``step``: ``steps`` steps' kernels in order (``_one_step``)."""
     a = _stats(_kernels(lambda: generate_n(short)), host_gap_us, one_off_us)
     trace = _kernels(lambda: generate_n(long))
     b = _stats(trace, host_gap_us, one_off_us)
@@ -110,7 +111,7 @@ def token_timeline(generate_n, short: int = 40, long: int = 140, host_gap_us: fl
             "launches": sum(c for c, _t in per.values()), "kernel_us": sum(t for _c, t in per.values()),
             "host_gap_us": host_gap_us,
             "top": [{"kernel": k[:90], "per_token": c, "us_per_token": t, "mean_us": t / c if c else 0.0}
-                    for k, (c, t) in ranked[:top]], "long_gaps": gaps[:12], "step": _one_step(trace)}
+                    for k, (c, t) in ranked[:top]], "long_gaps": gaps[:12], "step": _one_step(trace, steps=steps)}
 
 
 def print_timeline(label: str, t: dict) -> None:

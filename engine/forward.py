@@ -146,10 +146,15 @@ class Runner:
         module, _ = triton_module("argmax")
         return module if module is not None and module.argmax_reason(logits) is None else None
 
-    def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
+    def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor,
+                   row: torch.Tensor | None = None):
         """``mtp_forward``, then the output logits of its last row (the draft's): ``(normed
-        [B,S,H], logits float32 [B,1,V])``."""
+        [B,S,H], logits float32 [B,1,V])``. ``row`` (int64 ``[1]`` on the device): that row's
+        instead, ``(normed row [B,1,H], its logits [B,1,V])``, picked on the device."""
         out = self.mtp_forward(hidden, emb, pos)
+        if row is not None:
+            out = out.index_select(1, row)
+            return out, self.binding.logits(out)
         return out, self.binding.logits(out[:, -1:])
 
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

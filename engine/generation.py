@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from .binding import Qwen35Binding, bind
+from .readback import Readback
 from .request import GenerationRequest
 from .rope import RowPositions
 from .sampling import Sampler, to_device, token_ids
-from .speculative import accept, draft
+from .speculative import catch_up, draft, draft_from, judge, settle
 from .stack import attention_backend, build_runner
 
 
@@ -150,9 +151,12 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
     if not depth:
         stop = _decode_ahead(binding, runner, sampler, positions, max_length, stats, report)
         return GenerationResult(list(sampler.generated), stats, stop)
-    # The next step's drafts are launched as soon as its inputs are known, before the host's
-    # bookkeeping for the step that just ended (the main cache's commit, the callback): the GPU
-    # drafts while the host does it. ``pending_id``: the pending token on the device when known there.
+    # The next step's MTP catch-up is launched right behind the verify, before the host reads what
+    # the verify kept (``catch_up``), and its drafts before the host's bookkeeping for the step that
+    # just ended (the main cache's commit, the callback): the GPU never waits for the host between
+    # steps. ``pending_id``: the pending token on the device when known there.
+    pinned = torch.empty(3 * depth + 2, dtype=torch.int64, pin_memory=True) \
+        if torch.device(device).type == "cuda" else None
     drafted, pending_id = None, None
     while len(sampler.generated) < max_length:
         length = cache.length
@@ -160,6 +164,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         if pending_id is None:
             pending_id = to_device([pending], device)
         k = min(depth, max_length - len(sampler.generated) - 1)
+        ahead = None
         if k == 0:
             rows = binding.embed(pending_id.view(1, 1), dtype, device)
             hidden, _, logits = runner.forward_logits(rows, positions.rows(length, 1))
@@ -176,47 +181,26 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
             hidden, pre, logits = runner.forward_logits(rows, positions.rows(length, k + 1))
             stats.steps += 1
             logits = sampler.mask(logits[0], len(sampler.generated))
-            new, accepted, pending_id = accept(sampler, logits, drafts, qs)
+            verdict = judge(sampler, logits, drafts, qs, pinned)
+            if min(depth, max_length - len(sampler.generated) - 2) > 0:  # the next step can draft
+                ahead = catch_up(binding, runner, positions, pre if use_prenorm else hidden, verdict, length)
+            new, accepted, pending_id = settle(verdict)
             stats.accepted += accepted
-            kept = pre if use_prenorm else hidden
-            catchup_hidden = kept[:, :accepted + 1]
-            catchup_emb = torch.cat([rows[:, 1:accepted + 1], binding.embed(pending_id.view(1, 1), dtype, device)],
-                                    dim=1)
-            mtp_start = length
         stop_at = next((i for i, t in enumerate(new) if t in sampler.stops), None)
         if stop_at is not None:
             new = new[:stop_at + 1]
         sampler.accept(new)
-        if k:
+        if ahead is not None:
+            cache.mtp.commit(1 + accepted)  # the catch-up rows the verify kept
             k_next = min(depth, max_length - len(sampler.generated) - 1)
             if stop_at is None and k_next > 0:
-                drafted = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start,
-                                length + 1 + accepted, k_next)
+                drafted = draft_from(binding, runner, sampler, positions, *ahead, length + 1 + accepted, k_next)
+        if k:
             cache.commit(1 + accepted)
         report(new)
         if stop_at is not None:
             return GenerationResult(list(sampler.generated), stats, "stop_token")
     return GenerationResult(list(sampler.generated), stats, "max_length")
-
-
-class _Readback:
-    """A device token ``[1]`` on its way to the host: copied into pinned memory behind the step
-    that drew it (CUDA), read when ``value`` is called."""
-
-    def __init__(self, token: torch.Tensor, pinned: torch.Tensor | None):
-        self.event = None
-        if pinned is None:
-            self.buf = token.clone()  # the next greedy step writes over its input token
-            return
-        self.buf = pinned
-        pinned.copy_(token, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def value(self) -> int:
-        if self.event is not None:
-            self.event.synchronize()
-        return int(self.buf[0])
 
 
 def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowPositions, max_length: int,
@@ -243,7 +227,7 @@ def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: R
                 cache.commit()
                 token = sampler.draw_async(sampler.mask(logits[0], launched))
             sampler.note(token)
-            step = _Readback(token, pinned[launched % 2])
+            step = Readback(token, pinned[launched % 2])
             pending = token.view(1, 1)
             launched += 1
         if inflight is not None:

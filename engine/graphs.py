@@ -4,7 +4,8 @@
 cache length lives on the device, so one graph serves every position; the ``*_logits`` steps
 capture the output projection too (an eager 248k-row product per draft held the GPU up while the
 host launched it), and ``main+token`` (the greedy step, ``Runner.forward_token``) the embedding
-of its input token and the argmax as well; the host bookkeeping the
+of its input token and the argmax as well, and ``mtp+row`` (the MTP catch-up over a verify's rows,
+``speculative.catch_up``) the pick of its kept row on the device; the host bookkeeping the
 eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
 replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
 the graph lives (a GraphRunner lives for one generation): when a projection still runs through a
@@ -126,10 +127,14 @@ class GraphRunner:
         passing the last returned token back in costs no copy."""
         return self._run("main+token", ids, pos)[0]
 
-    def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor):
-        """Same contract as ``Runner.mtp_logits``; the output projection is in the graph."""
+    def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor,
+                   row: torch.Tensor | None = None):
+        """Same contract as ``Runner.mtp_logits``; the output projection (and the pick of ``row``)
+        is in the graph."""
         if hidden.shape[1] > MAX_DECODE_ROWS:
-            return self.runner.mtp_logits(hidden, emb, pos)
+            return self.runner.mtp_logits(hidden, emb, pos, row=row)
+        if row is not None:
+            return self._run("mtp+row", hidden, pos, emb, row)
         return self._run("mtp+logits", hidden, pos, emb)
 
     # ------------------------------------------------------------------ internals
@@ -138,6 +143,8 @@ class GraphRunner:
             return (self.runner.mtp_forward(inputs[0], inputs[2], inputs[1]),)
         if kind == "mtp+logits":
             return self.runner.mtp_logits(inputs[0], inputs[2], inputs[1])
+        if kind == "mtp+row":
+            return self.runner.mtp_logits(inputs[0], inputs[2], inputs[1], row=inputs[3])
         if kind == "main+logits":
             return self.runner.forward_logits(inputs[0], inputs[1])
         if kind == "main+token":
@@ -163,10 +170,10 @@ class GraphRunner:
         self.cache.drop_staged(part, lengths_moved=False)
         return _Graph(graph, static, outputs, staged)
 
-    def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, emb: torch.Tensor | None = None):
+    def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, *more: torch.Tensor):
         rows = x.shape[1]
         self.cache.check_room(kind.split("+")[0], rows)
-        inputs = (x, pos) if emb is None else (x, pos, emb)
+        inputs = (x, pos, *more)
         key = (kind, rows)
         g = self._graphs.get(key)
         if g is None:

@@ -8,7 +8,10 @@ Terms (as in vLLM's rejection sampler):
   step. Head row t pairs the model's final hidden state h_t with the embedding of token t+1, so
   the last catch-up row pairs the newest true hidden state with the pending token. The head runs
   over them first (that keeps its own K/V cache in step with the model's), and its last row
-  drafts d1; d2..dk feed the head's own normed output back as the hidden state.
+  drafts d1; d2..dk feed the head's own normed output back as the hidden state. After a verify
+  the head runs over all of its k+1 rows before the host knows how many were kept (``catch_up``:
+  the kept ones are the catch-up rows, the rest are not committed), so the GPU goes on from the
+  verify to the head while the host reads the verify's outcome.
 * **drafts** ``d1..dk``: proposed tokens. The model verifies ``[pending, d1..dk]`` in one causal
   forward of k + 1 rows.
 * **accepted drafts**: the longest prefix that survives acceptance; greedy compares with the
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from .readback import Readback
 from .rope import RowPositions
 from .sampling import Sampler, sample, speculative_accept_rows, target_probs, to_device
 
@@ -48,12 +52,32 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     distribution ``[V]`` when drafts are sampled (``mtp_draft="sample"``), else None (point-mass
     drafts). The MTP cache ends at ``length`` rows.
     """
-    device, dtype = runner.device, runner.dtype
-    mcache = runner.cache.mtp
     rows = catchup_hidden.shape[1]
     out, logits = runner.mtp_logits(catchup_hidden, catchup_emb, positions.rows(mtp_start, rows))
-    mcache.commit()
-    last = out[:, -1:]
+    runner.cache.mtp.commit()
+    return draft_from(binding, runner, sampler, positions, out[:, -1:], logits, length, k)
+
+
+def catch_up(binding, runner, positions: RowPositions, hidden: torch.Tensor, verdict: Verdict, start: int):
+    """The MTP head over every row of a verify step, launched before the host knows how many of
+    them were kept: hidden ``[1,k+1,H]`` (the verify's true hidden states, rows from ``start``), each
+    paired with the embedding of the step's new token at that row (``verdict.new_ids``). Rows after
+    the accepted ones see only rows before them (causal), so the kept rows come out as a catch-up
+    over just those would give them; the rest are dropped by the caller's ``commit(accepted + 1)``.
+    Returns ``(row, logits)``: the head's output ``[1,1,H]`` and logits ``[1,1,V]`` of the last kept
+    row (``verdict.accepted``, chosen on the device), for ``draft_from``. The k+1 rows stay staged
+    in the MTP cache."""
+    emb = binding.embed(verdict.new_ids.view(1, -1), runner.dtype, runner.device)
+    return runner.mtp_logits(hidden, emb, positions.rows(start, hidden.shape[1]), row=verdict.accepted)
+
+
+def draft_from(binding, runner, sampler: Sampler, positions: RowPositions, last: torch.Tensor,
+               logits: torch.Tensor, length: int, k: int):
+    """Draft k tokens after the pending token at row ``length`` from the head's output ``last``
+    ``[1,1,H]`` and logits ``[1,1,V]`` of the newest catch-up row (already committed to the MTP
+    cache). Returns ``(drafts, qs)`` as ``draft`` does; the MTP cache ends at ``length`` rows."""
+    device, dtype = runner.device, runner.dtype
+    mcache = runner.cache.mtp
     drafts: list[torch.Tensor] = []  # int64 [1] each, on the device
     qs: list[torch.Tensor | None] = []
     for j in range(k):
@@ -79,28 +103,61 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     return torch.cat(drafts), qs
 
 
-def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor,
-           qs) -> tuple[list[int], int, torch.Tensor]:
-    """New tokens from the verify logits ``[k+1,V]`` and the drafts (int64 ``[k]`` on the device):
-    the accepted drafts, then the correction or bonus token; the number of drafts accepted; and
-    the last new token as int64 ``[1]`` on the device. Sampled: every draft's accept decision,
-    replacement and the bonus token are drawn on the device and read back once."""
+class Verdict:
+    """A verify step's outcome on the device, its read to the host under way (``judge``):
+    ``new_ids`` int64 ``[k+1]``, the step's new tokens first (the accepted drafts, then the
+    correction or bonus token; rows after those unused), ``accepted`` int64 ``[1]`` (drafts kept)."""
+
+    def __init__(self, k: int, greedy: bool, ids: torch.Tensor, read: Readback, new_ids: torch.Tensor,
+                 accepted: torch.Tensor):
+        self.k, self.greedy, self.ids, self.read = k, greedy, ids, read
+        self.new_ids, self.accepted = new_ids, accepted
+
+
+def judge(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor, qs,
+          pinned: torch.Tensor | None = None) -> Verdict:
+    """The verify logits ``[k+1,V]`` against the drafts (int64 ``[k]`` on the device), decided on the
+    device and sent to the host (into ``pinned``, at least 3k+2 entries, on CUDA: see ``Readback``)
+    without waiting; ``settle`` reads it. Sampled: every draft's accept decision, replacement and
+    the bonus token are drawn here."""
     k = drafts.shape[0]
     if sampler.greedy:
-        both_ids = torch.cat([logits.argmax(dim=-1), drafts])
-        both = both_ids.tolist()  # one read for the two
-        target, proposed = both[:k + 1], both[k + 1:]
-        accepted = 0
-        while accepted < k and target[accepted] == proposed[accepted]:
-            accepted += 1
-        return proposed[:accepted] + [target[accepted]], accepted, both_ids[accepted:accepted + 1]
+        target = logits.argmax(dim=-1)
+        ids = torch.cat([target, drafts])
+        accepted = (target[:k] == drafts).to(torch.int64).cumprod(0).sum().view(1)
+        return Verdict(k, True, ids, Readback(ids, pinned), target, accepted)
     probs = target_probs(logits, sampler.seen_rows(drafts, k + 1, logits.shape[1]), sampler.params)
     keep, replacement = speculative_accept_rows(probs[:k], drafts, sampler.generator,
                                                 None if qs[0] is None else torch.stack(qs))
     bonus = sample(probs[k:k + 1], sampler.generator, top_k=sampler.params.top_k)
     ids = torch.cat([drafts, keep.to(torch.int64), replacement, bonus])
-    read = ids.tolist()  # the step's one read
+    accepted = keep.to(torch.int64).cumprod(0).sum().view(1)
+    last = ids.index_select(0, torch.where(accepted < k, 2 * k + accepted, 3 * k))  # replacement or bonus
+    row = torch.arange(k + 1, device=ids.device)
+    new_ids = torch.where(row < accepted, torch.cat([drafts, last]), last)
+    return Verdict(k, False, ids, Readback(ids, pinned), new_ids, accepted)
+
+
+def settle(verdict: Verdict) -> tuple[list[int], int, torch.Tensor]:
+    """Read ``judge``'s outcome (the step's one read): the accepted drafts, then the correction or
+    bonus token; the number of drafts accepted; and the last new token as int64 ``[1]`` on the
+    device."""
+    k, read = verdict.k, verdict.read.values()
+    if verdict.greedy:
+        target, proposed = read[:k + 1], read[k + 1:]
+        accepted = 0
+        while accepted < k and target[accepted] == proposed[accepted]:
+            accepted += 1
+        return proposed[:accepted] + [target[accepted]], accepted, verdict.ids[accepted:accepted + 1]
     proposed, kept = read[:k], read[k:2 * k]
     accepted = next((i for i in range(k) if not kept[i]), k)
     last = 2 * k + accepted if accepted < k else 3 * k  # the replacement or the bonus
-    return proposed[:accepted] + [read[last]], accepted, ids[last:last + 1]
+    return proposed[:accepted] + [read[last]], accepted, verdict.ids[last:last + 1]
+
+
+def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor,
+           qs) -> tuple[list[int], int, torch.Tensor]:
+    """``settle(judge(...))``: new tokens from the verify logits ``[k+1,V]`` and the drafts (int64
+    ``[k]`` on the device), the number of drafts accepted, and the last new token as int64 ``[1]``
+    on the device; one read."""
+    return settle(judge(sampler, logits, drafts, qs))

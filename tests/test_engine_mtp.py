@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import qwen35_fast.engine.generation as generation
+import qwen35_fast.engine.speculative as speculative
 import qwen35_fast.engine.stack as stack
 import torch
 from qwen35_fast.engine import Qwen35Error, bind, generate
@@ -67,14 +68,16 @@ def test_drafts_follow_reference_head(mtp_model, rng, monkeypatch):
     model, sd, d = mtp_model
     ref = Reference(sd, d)
     seen = []
-    real = generation.draft
+    real = speculative.draft_from
 
-    def spy(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k):
-        drafts, qs = real(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)
+    def spy(binding, runner, sampler, positions, last, logits, length, k):
+        drafts, qs = real(binding, runner, sampler, positions, last, logits, length, k)
         seen.append((list(sampler.generated), length, drafts))
         return drafts, qs
 
-    monkeypatch.setattr(generation, "draft", spy)
+    # every step's drafts: the first after the prompt's catch-up (draft), the rest after a verify's
+    monkeypatch.setattr(speculative, "draft_from", spy)
+    monkeypatch.setattr(generation, "draft_from", spy)
     prompt = torch.randn(5, d["hidden_size"], generator=rng)
     res = generate(model, prompt, do_sample=False, max_length=16, mtp=3, stop_tokens=[])
     assert len(seen) >= 3
@@ -187,3 +190,60 @@ def test_cache_sized_for_mtp(mtp_model, rng):
         for depth in (1, 5):
             res = generate(model, prompt, do_sample=True, seed=n, max_length=n, mtp=depth, stop_tokens=[])
             assert len(res.tokens) == n and res.stop_reason == "max_length"
+
+
+def test_catch_up_runs_before_the_host_reads_the_verify(mtp_model, rng, monkeypatch):
+    """After every verify step the MTP head's catch-up is launched before the host waits for what
+    the verify kept (so the GPU goes on from the verify to the head), and its drafts still equal
+    plain greedy's tokens."""
+    import qwen35_fast.engine.readback as readback
+
+    model, _, d = mtp_model
+    events = []
+    real_head, real_values = Runner.mtp_logits, readback.Readback.values
+
+    def head(self, hidden, emb, pos, row=None):
+        events.append(("head", hidden.shape[1], row is not None))
+        return real_head(self, hidden, emb, pos, row=row)
+
+    def values(self):
+        events.append(("read", self.n))
+        return real_values(self)
+
+    monkeypatch.setattr(Runner, "mtp_logits", head)
+    monkeypatch.setattr(readback.Readback, "values", values)
+    prompt = torch.randn(6, d["hidden_size"], generator=rng)
+    plain = generate(model, prompt, do_sample=False, max_length=30, mtp="off", stop_tokens=[])
+    events.clear()
+    depth = 3
+    spec = generate(model, prompt, do_sample=False, max_length=30, mtp=depth, stop_tokens=[])
+    assert spec.tokens == plain.tokens
+    reads = [i for i, e in enumerate(events) if e[0] == "read" and e[1] == 2 * depth + 1]  # the verify's read
+    assert len(reads) >= 3
+    for i in reads[:-2]:  # the last steps near max_length draft fewer rows or none
+        assert events[i - 1] == ("head", depth + 1, True), events[max(0, i - 3):i + 1]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_verdict_on_the_device_matches_the_read(rng, greedy):
+    """``judge``'s device outcome (accepted count, the new tokens, row by row) equals what ``settle``
+    reads and decides on the host, for kept, rejected and all-accepted drafts."""
+    from qwen35_fast.engine.sampling import Sampler, SamplingParams
+    from qwen35_fast.engine.speculative import judge, settle
+
+    params = SamplingParams(do_sample=not greedy, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    v, k = 7, 3
+    seen = set()
+    for seed in range(60):
+        sampler = Sampler(params, seed=seed, stop_tokens=[], min_tokens=0, initial_tokens=[], device="cpu",
+                          mtp_draft="argmax")
+        drafts = torch.randint(0, v, (k,), generator=rng)
+        logits = torch.randn(k + 1, v, generator=rng)
+        likely = torch.rand(k, generator=rng) < 0.7
+        logits[torch.arange(k)[likely], drafts[likely]] += 6.0  # most drafts kept, some rejected
+        verdict = judge(sampler, logits, drafts, [None] * k)
+        new, accepted, pending = settle(verdict)
+        assert int(verdict.accepted) == accepted and len(new) == accepted + 1
+        assert verdict.new_ids[:accepted + 1].tolist() == new and pending.tolist() == [new[-1]]
+        seen.add(accepted)
+    assert {0, k} <= seen and len(seen) >= 3, seen
