@@ -10,6 +10,9 @@ file's MTP head), then generated from in one process by
   place (``patches/comfy_weights.py``), fused kernels, CUDA graphs;
 - ``pack-sampled``: the pack sampling with the prompt enhancer's text-to-image settings (top-k 20,
   top-p 0.95, presence penalty 1.5), MTP off: the sampling path of the decode loop;
+- ``mtp-sampled``: the same settings through a patch with MTP depth 3 (the enhancer's default):
+  the random head's drafts are rejected nearly always, so this times a sampled draft + verify
+  cycle per token or two, not MTP's gain;
 - ``pack-plain``: the same as ``pack`` with every kernel launched plainly (``QWEN35_FAST_PDL=0``: no
   programmatic dependent launch, ``kernels/pdl.py``), what a GPU before Hopper gets;
 - ``pack-forced3``: the engine on the same ComfyUI modules with MTP depth 3, every draft replaced
@@ -59,7 +62,7 @@ Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
     python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8 fp8]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
-        [--profile-prefill] [--kinds core pack pack-sampled pack-plain forced3 standalone] [--timeline]
+        [--profile-prefill] [--kinds core pack pack-sampled mtp-sampled pack-plain forced3 standalone] [--timeline]
         [--variants NAME:VAR=VALUE[|VAR=VALUE] ...] [--repeat N]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
@@ -308,6 +311,13 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                                             mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0,
                                             **greedy), 32)
         first_use("first-use forced3", clock.last)
+    from qwen35_fast.patches.prompt_enhancer import PRESETS
+
+    sampled = dict(greedy, do_sample=True, **PRESETS["text-to-image"])
+    if "mtp-sampled" in args.kinds:
+        patched_mtp = patch_clip(clip, mtp=3)
+        clock.run(lambda: patched_mtp.generate(tokens, max_length=64, **sampled), 32)
+        first_use("first-use mtp-sampled", clock.last)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the pack's execution dtype
     hooks = dict(weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS)  # the patch's binding hooks
     if args.profile:
@@ -373,7 +383,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
 
     variants = dict(args.variants)
     for max_length in args.max_lengths:
-        order = [k for k in ("pack", "pack-sampled", "pack-plain", "forced3", "core") if k in args.kinds
+        order = [k for k in ("pack", "pack-sampled", "mtp-sampled", "pack-plain", "forced3", "core") if k in args.kinds
                  and (k != "core" or max_length in args.core_max_lengths)]
         at = order.index("pack") + 1 if "pack" in order else 0  # next to the row they are compared with
         order[at:at] = [f"pack@{name}" for name in variants]
@@ -385,11 +395,9 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                     tok_s = clock.run(lambda m=max_length: clip.generate(tokens, max_length=m, **greedy),
                                       args.core_tokens)
                 row("core", max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
-            elif kind == "pack-sampled":
-                from qwen35_fast.patches.prompt_enhancer import PRESETS
-
-                sampled = dict(greedy, do_sample=True, **PRESETS["text-to-image"])
-                tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **sampled), args.tokens)
+            elif kind in ("pack-sampled", "mtp-sampled"):
+                model = patched if kind == "pack-sampled" else patched_mtp
+                tok_s = clock.run(lambda m=max_length: model.generate(tokens, max_length=m, **sampled), args.tokens)
                 row(kind, max_length, tok_s)
             elif kind.startswith("pack"):
                 with probe, launches(kind, variants.get(kind.partition("@")[2], {})):
@@ -405,7 +413,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                     mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), args.tokens)
                 row("pack-forced3", max_length, tok_s)
     comfy.model_management.unload_all_models()
-    patched = target = embeds = clip = loaded = None
+    patched = patched_mtp = target = embeds = clip = loaded = None
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if "standalone" in args.kinds and fmt == "bf16":  # the standalone loader reads plain float files

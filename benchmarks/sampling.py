@@ -2,8 +2,9 @@
 
 Times (the torch profiler's kernel durations per call): ``Sampler.draw_async`` with the prompt enhancer's
 text-to-image settings (top-k 20, top-p 0.95, presence penalty 1.5) and its parts: the penalties,
-``torch.topk``, the filtered softmax and the draw; and greedy's argmax. The decode loop pays the
-draw once per token on top of the model step.
+``torch.topk``, the filtered softmax and the draw; greedy's argmax; and an MTP point-mass draft's
+token (the mode of the same distribution) through ``target_probs`` and through ``target_argmax``.
+The decode loop pays the draw once per token on top of the model step.
 
 Usage: python benchmarks/sampling.py [--vocab 248320] [--json out.json]
 """
@@ -27,6 +28,8 @@ from qwen35_fast.engine.sampling import (  # noqa: E402
     _filtered_softmax,
     _penalised_tempered,
     multinomial_one,
+    target_argmax,
+    target_probs,
 )
 
 
@@ -67,6 +70,8 @@ def main() -> None:
         "filtered softmax (top-p) of 20": lambda: _filtered_softmax(values, params),
         "draw of 20 (multinomial_one)": lambda: multinomial_one(probs, gen),
         "greedy argmax": lambda: logits[0].argmax(),
+        "point-mass draft before (target_probs, then argmax)": lambda: target_probs(logits, seen, params)[0].argmax(),
+        "point-mass draft (target_argmax)": lambda: target_argmax(logits, seen, params),
     }
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "vocab": args.vocab, "us": {}}
     for name, fn in rows.items():

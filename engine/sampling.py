@@ -104,6 +104,20 @@ def target_probs(logits: torch.Tensor, histories: Sequence[Sequence[int]],
     return _filtered_softmax(x, params).float()
 
 
+def target_argmax(logits: torch.Tensor, histories: Sequence[Sequence[int]],
+                  params: SamplingParams) -> torch.Tensor:
+    """The most likely token of ``target_probs``'s distribution per row, without building it:
+    logits ``[N,V]`` -> int64 ``[N]``. top-k, min-p and top-p never drop a row's largest
+    penalised, tempered logit, and softmax keeps its order, so this is the argmax of those logits
+    (ties: the lowest id; where top-k or top-p cuts between tied tokens, ``target_probs`` may keep
+    another of them). No ``torch.topk`` or softmax over the vocabulary: what a point-mass draft
+    needs."""
+    _check_request(logits, histories, params)
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return _penalised_tempered(logits, histories, params).argmax(dim=-1)
+
+
 def _check_request(logits, histories, params: SamplingParams) -> tuple[int, int]:
     params.validate()
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:

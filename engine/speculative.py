@@ -39,7 +39,7 @@ import torch
 
 from .readback import Readback
 from .rope import RowPositions
-from .sampling import Sampler, sample, speculative_accept_rows, target_probs, to_device
+from .sampling import Sampler, sample, speculative_accept_rows, target_argmax, target_probs, to_device
 
 
 def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hidden: torch.Tensor,
@@ -92,13 +92,13 @@ def draft_from(binding, runner, sampler: Sampler, positions: RowPositions, last:
         elif sampler.greedy:
             drafts.append(logits[0].argmax().reshape(1))
         else:
-            q = target_probs(logits, sampler.seen_rows(torch.cat(drafts) if drafts else None, j + 1,
-                                                       logits.shape[1])[-1:], sampler.params)
+            seen = sampler.seen_rows(torch.cat(drafts) if drafts else None, j + 1, logits.shape[1])[-1:]
             if sampler.mtp_draft == "sample":
+                q = target_probs(logits, seen, sampler.params)
                 drafts.append(sample(q, sampler.generator, top_k=sampler.params.top_k))
                 qs[-1] = q[0]
-            else:
-                drafts.append(q[0].argmax().reshape(1))
+            else:  # point mass on the target's most likely token: no top-k or softmax needed
+                drafts.append(target_argmax(logits, seen, sampler.params))
     mcache.rollback(k - 1)
     return torch.cat(drafts), qs
 

@@ -20,6 +20,7 @@ from qwen35_fast.engine.sampling import (
     sample,
     speculative_accept,
     speculative_accept_rows,
+    target_argmax,
     target_candidates,
     target_probs,
 )
@@ -163,6 +164,25 @@ def test_target_probs_matches_comfyui_on_random_cases(rng):
                                    msg=lambda m: f"{params}\n{m}")
         checked += 1
     assert skipped < checked // 5, f"too many ambiguous cases ({skipped})"
+
+
+def test_target_argmax_is_the_mode_of_comfyuis_distribution(rng):
+    """A point-mass draft's token: the most likely token of ComfyUI's sampling distribution
+    (the float64 oracle), penalties and temperature included, on random rows; and cases where a
+    penalised history token had the largest raw logit came up (the penalties decided them)."""
+    r = random.Random(int(torch.randint(2**31, (1,), generator=rng)))
+    checked = decided = 0
+    while checked < 100:
+        logits, histories, params = _random_case(rng, r)
+        expected = [comfy_oracle(logits[i], histories[i], params)[0] for i in range(len(logits))]
+        top2 = [e.topk(2).values if e.numel() > 1 else e for e in expected]
+        if any(e.numel() > 1 and float(t[0] - t[1]) < 1e-9 for e, t in zip(expected, top2)):
+            continue  # a tie in the distribution: either token is its mode
+        got = target_argmax(logits, histories, params)
+        assert got.dtype == torch.int64 and got.tolist() == [int(e.argmax()) for e in expected], params
+        decided += sum(int(e.argmax()) != int(logits[i].argmax()) for i, e in enumerate(expected))
+        checked += 1
+    assert decided > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
