@@ -14,7 +14,10 @@ the normalised ``o`` before the gate. With programmatic dependent launch (``kern
 state and the constants are read before waiting for the projections. With ``rotate=G`` the output
 is also written ConvRot-rotated, as an int8_convrot ``out_proj`` reads it: the value columns are
 then split over programs and a second small kernel does the gated norm over two heads at a time (a
-group of 256 spans two 128-wide heads) and the rotation.
+group of 256 spans two 128-wide heads) and the rotation. Measured and not taken: that work done
+by the last of each pair's step programs to finish (a device counter per pair), 24 launches fewer
+per 9B int8 token: 337.1 against 338.6 tok/s in ComfyUI (H200, processes interleaved), since one
+program per pair then does it in the step's tail, where the overlapped second launch cost no more.
 """
 
 from __future__ import annotations

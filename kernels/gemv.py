@@ -46,10 +46,15 @@ per pair in the tile loop cost 10%; the SiLU product computed inside the down pr
 rotation inside the product's tiles (two 16-wide products and layout shuffles per tile: 17 us
 against 12 for a rotation launch + the product at 4096x4096), one-row products on the CUDA cores
 instead of the tensor cores (2-3x slower), the weight tile as the dot's left operand (no faster at
-any shape), and the next residual add + RMSNorm done by a split-K product's last program (a device
-finish counter, the row normalized in 512-column pieces: 278 against 312 tok/s int8 9B MTP off, 518
-against 787 with forced MTP-3 at 4096 in one ``comfy_e2e.py`` run: one program normalizing whole
-rows after the product costs more than the norm kernel's launch), and one tile loop for the whole
+any shape; at 64 and 128 columns, where Triton 3.6 makes it a wgmma, 0.57x to 0.82x the picked
+launch of each group, int8 1 row), a one-row x loaded as a vector and broadcast to the dot's 16
+rows (half the shared memory per program; the DeltaNet inputs 24.6 against 17.5 us, q/k/v 14.8
+against 19.5, yet the 9B int8 step in ComfyUI 270.7 against 337.3 tok/s with it everywhere and
+327.9 against 336.7 with it for q/k/v alone: ``benchmarks/README.md``), and the next residual
+add + RMSNorm done by a split-K product's last program (a device finish counter, the row
+normalized in 512-column pieces: 278 against 312 tok/s int8 9B MTP off, 518 against 787 with
+forced MTP-3 at 4096 in one ``comfy_e2e.py`` run: one program normalizing whole rows after the
+product costs more than the norm kernel's launch), and one tile loop for the whole
 group, the program's weight picked by scalars before it: that reserves one weight's pipeline buffers
 instead of one set per weight (Triton reserves each branch's buffers apart), 32 KB instead of 128 KB
 per DeltaNet-inputs program and 72 KB instead of 144 KB for gate/up, and is as fast launch by launch
