@@ -61,13 +61,16 @@ CONFIGS = [(32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 4, 4), (32, 128, 4, 5), (
            (128, 128, 8, 4), (32, 256, 8, 4), (64, 256, 8, 4), (32, 512, 8, 3), (16, 512, 4, 3)]
 SPLITS = [2, 3, 4, 6, 8]
 GROUP = 256
-#: --sweep: configs (BLOCK_N, BLOCK_K, warps, stages) and, per group, the K ranges
+#: --sweep: configs (BLOCK_N, BLOCK_K, warps, stages[, K slices]) and, per group, the K ranges
 SWEEP = [(32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 4, 5), (32, 128, 4, 6), (32, 256, 4, 2), (32, 256, 4, 3),
          (32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 2), (64, 256, 4, 3), (64, 256, 4, 4),
          (16, 256, 4, 4), (16, 512, 4, 3), (128, 128, 4, 3),
          # fewer warps read the 16-row x tile from shared memory fewer times; more stages, more bytes in flight
          (32, 128, 2, 5), (32, 256, 2, 4), (64, 128, 2, 5), (64, 256, 2, 4), (32, 256, 1, 4), (32, 256, 4, 6),
-         (64, 256, 4, 5), (64, 128, 4, 8), (128, 128, 4, 5), (128, 256, 4, 3)]
+         (64, 256, 4, 5), (64, 128, 4, 8), (128, 128, 4, 5), (128, 256, 4, 3),
+         # warps own K slices (a fifth value): each reads only its slice of the x tile
+         (32, 512, 4, 3, 4), (32, 512, 4, 3, 2), (32, 512, 4, 3), (32, 256, 4, 4, 4), (64, 256, 4, 4, 4),
+         (32, 256, 2, 4, 2)]
 SWEEP_SPLITS = {"mlp down": (2, 4, 6), "deltanet out": (2, 4), "attn o": (2, 4)}
 
 

@@ -23,6 +23,18 @@ returns float32 partials for a consumer that sums them: a 4096-wide output has o
 32 columns, too few to keep the memory system busy (``split_k``). ``row_norm`` multiplies each
 row's result by the RMSNorm factor a deferred norm left to it (``kernels/row_norm.py``).
 
+K slices (a launch config's optional fifth value, ``_tile``'s SLICES): the program's warps own
+slices of each K tile instead of columns, one batched dot, the slices summed after the loop. With
+the warps on columns every warp reads the whole padded 16-row x tile from shared memory: at 32
+int8 columns, 128-wide tiles and 4 warps that is 16 ``ld.shared.v2`` of x against 2
+``ldmatrix.x4`` of weights per tile and warp in Triton 3.6's sm90 PTX, four x bytes per weight
+byte; with 4 slices, 4 loads. Picked for the DeltaNet inputs and q/k/v (``_default_config``:
+512-wide tiles, 4 slices, 3 stages). Launch by launch (H200, int8, 1 row,
+``results/int8_gemv_h200_slices.json``) slices were slower everywhere else, so the x reads are
+not what limits most launches: the 4096x4096 outputs 8.5 against 7.0 us (2 slices), gate+up 33.6
+against 28.5, the MLP down projection 17.1 against 15.3, ``lm_head`` 256 against 235, and the
+DeltaNet inputs at 128-wide tiles 24.2 against 17.4.
+
 ``prefetch=w``: the decode step passes each product the weight of the product after it
 (``FusedPlan._prefetch_chain``); each program, after storing its own result, asks L2 for its share
 of the first ``PREFETCH_BYTES`` of w (``prefetch.global.L2``, nothing waits for it), so DRAM keeps
@@ -66,6 +78,7 @@ behind it find less room.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -77,6 +90,13 @@ from .convrot import hadamard, hadamard_rotate_torch
 from .overrides import EnvOverrides, entries, pow2_between
 from .pdl import enter, launch_args, trigger, wait
 from .row_norm import RowNorm
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # very old Triton: nothing to catch by name
+    OutOfResources = ()
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "hadamard", "hadamard_cached",
            "hadamard_rotate", "hadamard_rotate_torch", "load_overrides", "parse_overrides", "split_k"]
@@ -104,7 +124,8 @@ PREFETCH_BYTES = _prefetch_bytes()
 #: ``KIND:NxK=/SPLIT`` or both (``KIND:NxK=BN,BK,WARPS,STAGES/SPLIT``), separated by ``;``. KIND is
 #: ``quant`` (int8 / fp8 weights) or ``float``; N is a launch's output columns in all (a group's
 #: sum: 12352 for a 9B DeltaNet layer's inputs), K its width; SPLIT replaces ``split_k`` for that
-#: weight. Read when a fused plan is built (each generation), so one process can compare settings.
+#: weight; a fifth number after STAGES gives the K slices of a tile (``_tile``'s SLICES). Read when
+#: a fused plan is built (each generation), so one process can compare settings.
 CONFIG_ENV = "QWEN35_FAST_GEMV_CONFIG"
 
 
@@ -159,55 +180,90 @@ def _prefetch_share(P, n_lines, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _widen(w, x_dtype: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr):
+    # int8 or fp8 -> x's dtype, exact (FP8 as in ``_tile``); weights already in x's dtype unchanged.
+    if QUANT:
+        if FP8 == 3:
+            w = _e4m3_bf16(w)
+        elif FP8 == 1:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        elif FP8 == 2:
+            w = w.to(tl.float8e5, bitcast=True)
+        w = w.to(x_dtype)
+    return w
+
+
+@triton.jit
 def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps,
           QUANT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
-          ROW_NORM: tl.constexpr):
+          ROW_NORM: tl.constexpr, SLICES: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
     # FP8: 0 (int8 or x's dtype), 1 (e4m3fn bytes), 2 (e5m2 bytes), 3 (e4m3fn bytes, bf16 x, on a
     # GPU: ``_e4m3_bf16``). ROW_NORM (a power of two >= n_nrm): each row's result times
     # rsqrt(sum of its n_nrm partial sums of squares in NRM / n_mean + eps), the RMSNorm factor
-    # ``fused_ops.add_rms_norm(defer=True)`` left to its consumer.
+    # ``fused_ops.add_rms_norm(defer=True)`` left to its consumer. SLICES > 1: each K tile is cut
+    # into SLICES slices multiplied as one batched dot (the warps own slices, not columns: each
+    # reads only its slice of x's padded tile from shared memory), the slices summed after the loop.
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
     wait(PDL)  # x is the previous kernel's output
     trigger(PDL)  # after the wait: the next product's programs queue behind this one, never ahead
     if ROW_NORM > 0:  # loaded before the weights stream, so its latency is not added after them
         j = tl.arange(0, ROW_NORM)
         sq = tl.load(NRM + offs_m[:, None] * s_nrm + j[None, :], mask=m_ok[:, None] & (j < n_nrm)[None, :], other=0.0)
         factor = tl.rsqrt(tl.sum(sq, 1) / n_mean + eps)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_PER, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w_mask = n_ok[:, None]
-            x_mask = m_ok[:, None]
-        else:
-            k_ok = offs_k < K
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            x_mask = m_ok[:, None] & k_ok[None, :]
-        if PDL:  # read once: evict first, L2 keeps the activations and partials
-            w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0,
-                        eviction_policy="evict_first")
-        else:
-            w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
-        x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
-        if QUANT:  # int8 or fp8 -> x's dtype, exact
-            if FP8 == 3:
-                w = _e4m3_bf16(w)
-            elif FP8 == 1:
-                w = w.to(tl.float8e4nv, bitcast=True)
-            elif FP8 == 2:
-                w = w.to(tl.float8e5, bitcast=True)
-            w = w.to(x.dtype)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+    if SLICES == 1:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w_mask = n_ok[:, None]
+                x_mask = m_ok[:, None]
+            else:
+                k_ok = offs_k < K
+                w_mask = n_ok[:, None] & k_ok[None, :]
+                x_mask = m_ok[:, None] & k_ok[None, :]
+            if PDL:  # read once: evict first, L2 keeps the activations and partials
+                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0,
+                            eviction_policy="evict_first")
+            else:
+                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
+            x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
+            w = _widen(w, x.dtype, QUANT, FP8)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+    else:
+        SLICE: tl.constexpr = BLOCK_K // SLICES
+        acc3 = tl.zeros((SLICES, BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, SLICES)[:, None] * SLICE + tl.arange(0, SLICE)[None, :]  # [SLICES, SLICE]
+            if EVEN_K:
+                w_mask = n_ok[None, :, None]
+                x_mask = m_ok[None, :, None]
+            else:
+                k_ok = (offs_k < K)[:, None, :]
+                w_mask = n_ok[None, :, None] & k_ok
+                x_mask = m_ok[None, :, None] & k_ok
+            if PDL:
+                w = tl.load(W + offs_n[None, :, None] * sw_n + offs_k[:, None, :], mask=w_mask, other=0,
+                            eviction_policy="evict_first")
+            else:
+                w = tl.load(W + offs_n[None, :, None] * sw_n + offs_k[:, None, :], mask=w_mask, other=0)
+            x = tl.load(X + offs_m[None, :, None] * sx_m + offs_k[:, None, :], mask=x_mask, other=0.0)
+            w = _widen(w, x.dtype, QUANT, FP8)
+            if IEEE:
+                acc3 += tl.dot(x, tl.trans(w, (0, 2, 1)), input_precision="ieee")
+            else:
+                acc3 += tl.dot(x, tl.trans(w, (0, 2, 1)))
+        acc = tl.sum(acc3, 0)
     if QUANT:  # per-row scales (ss_n = 1) or one per tensor (ss_n = 0)
         acc *= tl.load(S + offs_n * ss_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROW_NORM > 0:
@@ -222,34 +278,37 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
                  NRM, n_nrm, s_nrm, n_mean, eps, PF, n_pf,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PDL: tl.constexpr, FP8: tl.constexpr, ROW_NORM: tl.constexpr, PREFETCH: tl.constexpr):
+                 PDL: tl.constexpr, FP8: tl.constexpr, ROW_NORM: tl.constexpr, PREFETCH: tl.constexpr,
+                 SLICES: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts). A
     # tile loop per weight, each with buffers of its own: one shared loop measured slower in the
     # decode step (module docstring).
     pid = tl.program_id(0)
     if pid < E0:
         _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     elif COUNT > 1 and pid < E1:
         _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     elif COUNT > 2 and pid < E2:
         _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     elif COUNT > 3:
         _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     if PREFETCH:  # after this program's product: the next product's first weight lines into L2
         _prefetch_share(PF, n_pf, 128)
 
 
-_FORMAT = "entries like 'quant:4096x12288=32,256,2,4/4' or 'float:4096x4096=/2' separated by ';'"
+_FORMAT = ("entries like 'quant:4096x12288=32,256,2,4/4', 'quant:12352x4096=32,512,4,3,4' or "
+           "'float:4096x4096=/2' separated by ';'")
 
 
-def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, int, int, int] | None, int | None]]:
+def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, ...] | None, int | None]]:
     """``CONFIG_ENV``'s value -> ``{(quant, N, K): (config or None, split or None)}``. ValueError
     naming the entry and the format when one is malformed or out of range (BLOCK_N, BLOCK_K powers
-    of two from 16 to 1024, warps 1..16 a power of two, stages 1..8, split 1..64)."""
+    of two from 16 to 1024, warps 1..16 a power of two, stages 1..8, an optional fifth value, the K
+    slices of a tile (``_tile``'s SLICES), a power of two leaving slices of at least 16, split 1..64)."""
     out = {}
     for entry in entries(text):
         try:
@@ -263,13 +322,15 @@ def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, i
             raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {_FORMAT}") from None
         kind = kind.strip()
         bad = (kind not in ("quant", "float") or n < 1 or k < 1 or (cfg is None and split is None)
-               or (cfg is not None and (len(cfg) != 4 or not pow2_between(cfg[0], 16, 1024)
+               or (cfg is not None and (len(cfg) not in (4, 5) or not pow2_between(cfg[0], 16, 1024)
                                         or not pow2_between(cfg[1], 16, 1024)
-                                        or not pow2_between(cfg[2], 1, 16) or not 1 <= cfg[3] <= 8))
+                                        or not pow2_between(cfg[2], 1, 16) or not 1 <= cfg[3] <= 8
+                                        or (len(cfg) == 5 and not pow2_between(cfg[4], 1, cfg[1] // 16))))
                or (split is not None and not 1 <= split <= 64))
         if bad:
             raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (kind quant or float, BLOCK_N and BLOCK_K "
-                             f"powers of two 16..1024, warps 1..16, stages 1..8, split 1..64): {_FORMAT}")
+                             f"powers of two 16..1024, warps 1..16, stages 1..8, K slices a power of two up to "
+                             f"BLOCK_K / 16, split 1..64): {_FORMAT}")
         out[(kind == "quant", n, k)] = (cfg, split)
     return out
 
@@ -288,19 +349,23 @@ def load_overrides() -> dict:
     return overrides
 
 
-def _config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of a launch: ``CONFIG_ENV``'s for (quant, n, k) when it
-    names one (``load_overrides``), else ``_default_config``'s measured pick."""
+def _config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) of a launch: ``CONFIG_ENV``'s for (quant, n, k)
+    when it names one (``load_overrides``), else ``_default_config``'s measured pick."""
     cfg = _OVERRIDES.values.get((quant, n, k), (None, None))[0]
     return cfg if cfg is not None else _default_config(n, k, quant)
 
 
-def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for N output columns in all over width K, measured on an
-    H200 at the 9B decode launches, 1 and 4 rows (``benchmarks/int8_gemv.py``, results in
-    ``benchmarks/results/int8_gemv_h200.json``). int8: 64 columns, 256-wide tiles for 16384 columns
-    and more (gate+up, the 248k-row output projection at its floor); 32 columns, 128-wide tiles,
-    5 stages for a DeltaNet layer's four inputs (12352 columns: 18 us against 23); 2 warps for
+def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) for N output columns in all over width K,
+    measured on an H200 at the 9B decode launches, 1 and 4 rows (``benchmarks/int8_gemv.py``,
+    results in ``benchmarks/results/int8_gemv_h200.json``). int8: 64 columns, 256-wide tiles for
+    16384 columns and more (gate+up, the 248k-row output projection at its floor); 32 columns,
+    512-wide tiles cut into 4 K slices, 3 stages, for a DeltaNet layer's four inputs (12352 columns:
+    16.7 us against 17.4 for 32 columns, 128-wide tiles, 5 stages) and the attention q/k/v (10240
+    columns: 16.3 against 19.5 for 256-wide tiles, 4 stages; 16.6 unsliced); in the 9B int8 decode
+    step in ComfyUI 339.7 / 339.0 tok/s against 334.2 / 333.6 in two processes, q/k/v alone 336.2
+    sliced, 337.0 unsliced (``results/int8_gemv_h200_slices.json``); 2 warps for
     at most 8192 columns: the MLP down projection (in the 9B int8 decode step in ComfyUI 332.8
     tok/s against 328.9 / 328.1 with 4 warps in one run, 335.8 / 335.7 against 330.8 / 330.4 in
     another, on the greedy token step) and the 4096x4096 outputs, DeltaNet out and attention o
@@ -319,8 +384,8 @@ def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, int, int,
     if quant:
         if n >= 16384:
             return 64, 256, 4, 4
-        if 11264 <= n < 16384 and k < 8192:
-            return 32, 128, 4, 5
+        if 8192 < n < 16384 and k < 8192:
+            return 32, 512, 4, 3, 4
         if n <= 8192:
             return 32, 256, 2, 4
         return 32, 256, 4, 4
@@ -407,10 +472,11 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     with ``scales`` (float32 per tensor or per output row: ``y = (x @ q.T) * scale``). Returns
     ``[..., N_i]`` tensors in x's dtype (float32 accumulation). ``convrot=G``: the weights are
     ConvRot-rotated in groups of G (K a multiple of G), so x is first rotated by ``hadamard_rotate``
-    (one launch more, shared by the group). ``config`` = (BLOCK_N, BLOCK_K, warps, stages)
-    overrides the choice. ``split=P > 1`` cuts K into P ranges with programs of their own and
-    returns float32 partial products ``[P', ..., N_i]`` (P' <= P: fewer when K has fewer tiles;
-    scale applied) whose sum over the first dim is the product, for a consumer that adds them up
+    (one launch more, shared by the group). ``config`` = (BLOCK_N, BLOCK_K, warps, stages[, K
+    slices]) overrides the choice (K slices: ``_tile``'s SLICES, 1 when left out; capped at
+    BLOCK_K / 16). ``split=P > 1`` cuts K into P ranges with programs of their own and returns
+    float32 partial products ``[P', ..., N_i]`` (P' <= P: fewer when K has fewer tiles; scale
+    applied) whose sum over the first dim is the product, for a consumer that adds them up
     (``fused_ops.add_rms_norm`` with ``x`` as the partials). ``row_norm``: x is an RMSNorm's output
     without its per-row factor (``kernels/row_norm.py``, ``sq`` ``[..., P]`` with x's leading dims):
     every product's float32 accumulator (each partial's, with ``split``) is multiplied by the
@@ -441,8 +507,13 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     m = x2.shape[0]
     nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
     ns = [w.shape[0] for w in weights]
-    block_n, block_k, warps, stages = _config(sum(ns), k, quant) if config is None else config
+    env_cfg = _OVERRIDES.values.get((quant, sum(ns), k), (None, None))[0] if config is None else None
+    cfg = _config(sum(ns), k, quant) if config is None else config
+    block_n, block_k, warps, stages = cfg[:4]
+    shrunk_key = (str(x.device), x.dtype, weights[0].dtype, tuple(cfg))
+    stages = _SHRUNK.get(shrunk_key, stages)
     block_k = min(block_k, triton.next_power_of_2(k))
+    slices = min(cfg[4] if len(cfg) > 4 else 1, max(1, block_k // 16))
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # a whole number of K tiles per range
     parts = triton.cdiv(k, k_per)  # <= split (fewer when K has fewer tiles)
     shape = (m,) if split == 1 else (parts, m)
@@ -457,15 +528,46 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     ws = [w.view(torch.uint8) for w in weights] if fp8 else list(weights)  # fp8 as bytes, bitcast in the kernel
     ws, ys, ss = ws + [ws[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
-    _gemv_kernel[(total, parts)](
-        x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
-        *(int(quant and s.numel() > 1) for s in ss), *(y.stride(-2) for y in ys),
-        *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,
-        COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-        FP8=fp8, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, **launch_args(x.device),
-    )
+    tried, why = stages, None
+    while True:
+        try:
+            _gemv_kernel[(total, parts)](
+                x2, *ws, *ss, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
+                *(int(quant and s.numel() > 1) for s in ss), *(y.stride(-2) for y in ys),
+                *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,
+                COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
+                BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
+                FP8=fp8, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, SLICES=slices, **launch_args(x.device),
+            )
+            break
+        except OutOfResources as exc:  # raised before anything is enqueued: nothing half-done
+            stages, why = _fewer_stages(exc, cfg, stages, config is not None, env_cfg is not None, weights[0]), exc
+    if stages != tried:
+        _SHRUNK[shrunk_key] = stages
+        log.warning("gemv: launch config %s (%s x, %s weights) needs more shared memory than this GPU has (%s); "
+                    "it runs with %d pipeline stages instead of %d, slower than measured", tuple(cfg), x.dtype,
+                    weights[0].dtype, why, stages, tried)
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
+
+
+#: (device, x dtype, weight dtype, config) -> the pipeline stages that fit where the config's did not
+_SHRUNK: dict[tuple, int] = {}
+
+
+def _fewer_stages(exc: Exception, cfg: tuple, stages: int, explicit: bool, from_env: bool, w: torch.Tensor) -> int:
+    """The pipeline depth to try after a launch needed more shared memory than the GPU has:
+    ``stages - 1``. As Triton 3.6 compiles the picked configs for sm_89, bf16 / fp16 x fit a
+    consumer GPU's 99 KB; float32 x needs up to 160 KB with int8 weights and up to 240 KB with
+    float32 ones (past an H200's 227 KB too), and every one of them fits 99 KB at one stage.
+    An explicit ``config=`` re-raises (``int8_gemv.py``'s sweeps skip such configs), a
+    ``CONFIG_ENV`` entry becomes a ValueError naming it, and a single stage that does not fit
+    re-raises."""
+    if explicit or (stages <= 1 and not from_env):
+        raise exc
+    if from_env:
+        raise ValueError(f"{CONFIG_ENV}: the launch config {tuple(cfg)} for a {tuple(w.shape)} weight does not fit "
+                         f"this GPU's shared memory ({exc}); name a smaller BLOCK_K or fewer stages") from exc
+    return stages - 1
 
 
 def _prefetch_args(w: torch.Tensor | None, device: torch.device) -> tuple | None:

@@ -19,11 +19,12 @@ ENV = "QWEN35_FAST_GEMV_CONFIG"
 
 
 def test_parse_reads_every_form():
-    text = " quant:12352x4096=32,256,4,3; float:64X96=/3 ;;quant:4096x12288=32,256,2,4/4 "
+    text = " quant:12352x4096=32,256,4,3; float:64X96=/3 ;;quant:4096x12288=32,256,2,4/4;quant:8x64=16,64,4,2,4/2 "
     assert gemv.parse_overrides(text) == {
         (True, 12352, 4096): ((32, 256, 4, 3), None),
         (False, 64, 96): (None, 3),
         (True, 4096, 12288): ((32, 256, 2, 4), 4),
+        (True, 8, 64): ((16, 64, 4, 2, 4), 2),
     }
     assert gemv.parse_overrides("") == {}
 
@@ -36,6 +37,9 @@ def test_parse_reads_every_form():
     "quant:64x96=24,16,1,1",  # BLOCK_N a power of two
     "quant:64x96=16,16,3,1",  # warps a power of two
     "quant:64x96=16,16,1,9",  # stages 1..8
+    "quant:64x96=16,64,1,2,3",  # K slices a power of two
+    "quant:64x96=16,64,1,2,8",  # K slices at least 16 wide
+    "quant:64x96=16,64,1,2,4,1",  # at most five numbers
     "quant:64x96=/0",  # split >= 1
     "quant:64x96=/",  # nothing to override
 ])
@@ -124,6 +128,63 @@ def test_malformed_value_keeps_the_plan_off_and_says_why(tiny, monkeypatch):
     monkeypatch.delenv(ENV)
     plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
     assert plan is not None, why
+
+
+class _SmallSharedMemory:
+    """Stands in for ``_gemv_kernel`` on a GPU whose shared memory holds at most ``fits`` pipeline
+    stages: deeper launches raise Triton's OutOfResources (as a launch does before enqueueing
+    anything), the others run the real kernel."""
+
+    def __init__(self, real, fits):
+        self.real, self.fits, self.stages = real, fits, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.stages.append(kw["num_stages"])
+            if kw["num_stages"] > self.fits:
+                from triton.runtime.errors import OutOfResources
+                raise OutOfResources(160 * 1024, 99 * 1024, "shared memory")
+            return self.real[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
+def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monkeypatch, caplog):
+    """A picked launch that needs more shared memory than the GPU has (float32 x on a 99 KB consumer
+    GPU) runs with fewer pipeline stages, the same product, one warning per shape; an explicit
+    ``config=`` still raises, an env entry raises naming the variable, one stage that does not fit
+    raises."""
+    from triton.runtime.errors import OutOfResources
+
+    k, n = 192, 40
+    x = torch.randn(2, k, generator=rng)
+    q = torch.randint(-127, 128, (n, k), generator=rng, dtype=torch.int8)
+    s = torch.rand(n, generator=rng) * 1e-3 + 1e-4
+    ref = (x.double() @ q.double().T) * s.double()
+    monkeypatch.setattr(gemv, "_SHRUNK", {})
+    monkeypatch.setattr(gemv, "_default_config", lambda n, k, quant=False: (16, 64, 4, 4, 2))
+    small = _SmallSharedMemory(gemv._gemv_kernel, fits=2)
+    monkeypatch.setattr(gemv, "_gemv_kernel", small)
+    with caplog.at_level("WARNING", logger=gemv.__name__):
+        first = gemv.gemv(x, q, s)
+        second = gemv.gemv(x, q, s)
+    for out in (first, second):
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert small.stages == [4, 3, 2, 2]  # shrunk once, then launched at the depth that fit
+    said = [r.getMessage() for r in caplog.records if r.name == gemv.__name__]
+    assert len(said) == 1 and "shared memory" in said[0] and "2 pipeline stages instead of 4" in said[0]
+    with pytest.raises(OutOfResources):
+        gemv.gemv(x, q, s, config=(16, 64, 4, 3))
+    monkeypatch.setenv(ENV, f"quant:{n}x{k}=16,64,4,3")
+    gemv.load_overrides()
+    with pytest.raises(ValueError, match=rf"{ENV}: .*does not fit this GPU's shared memory"):
+        gemv.gemv(x, q, s)
+    monkeypatch.delenv(ENV)
+    gemv.load_overrides()
+    small.fits = 0
+    monkeypatch.setattr(gemv, "_SHRUNK", {})
+    with pytest.raises(OutOfResources):
+        gemv.gemv(x, q, s)
 
 
 def test_deltanet_parse_reads_and_refuses():

@@ -73,6 +73,28 @@ def test_convrot_argument_matches_comfy(rng, group, dtype):
         assert rel(out, x.double() @ comfy_weight(q, s, group).T) < tol(dtype)
 
 
+@pytest.mark.parametrize("slices", [2, 4])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_k_slices_match_comfy_dequantization(rng, slices, rows, dtype):
+    """A launch whose warps own K slices of each tile (a config's fifth value): a group of odd
+    widths over a K that is no tile multiple, both scale kinds, split over K ranges too, equals x @
+    W.T with W as ComfyUI dequantizes it; so do dense weights."""
+    k = 328  # tiles of 64: five whole, the last 8 wide (slices of 16 or 32, some empty)
+    x = torch.randn(1, rows, k, generator=rng).to(dtype)
+    qs = [rand_int8(rng, n, k) for n in (37, 16, 5)]
+    scales = [torch.rand(37, 1, generator=rng) * 1e-3 + 1e-4, torch.tensor(2e-3), torch.rand(5, generator=rng) * 1e-3]
+    for out, q, s in zip(gemv_group(x, qs, scales=scales, config=(16, 64, 4, 2, slices)), qs, scales):
+        assert out.shape == (1, rows, q.shape[0]) and out.dtype == dtype
+        assert rel(out, x.double() @ comfy_weight(q, s.reshape(-1, 1) if s.dim() else s).T) < tol(dtype)
+    (parts,) = gemv_group(x, qs[:1], scales=scales[:1], config=(16, 64, 2, 2, slices), split=3)
+    assert parts.shape == (3, 1, rows, 37)
+    assert rel(parts.sum(0), x.double() @ comfy_weight(qs[0], scales[0]).T) < tol(dtype)
+    dense = torch.randn(24, k, generator=rng).to(dtype)
+    out = gemv(x, dense, config=(16, 64, 4, 2, slices))
+    assert rel(out, x.double() @ dense.double().T) < tol(dtype)
+
+
 @pytest.mark.parametrize("split", [2, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_k_partials_sum_to_the_product(rng, split, dtype):
