@@ -556,9 +556,11 @@ _SHRUNK: dict[tuple, int] = {}
 
 def _fewer_stages(exc: Exception, cfg: tuple, stages: int, explicit: bool, from_env: bool, w: torch.Tensor) -> int:
     """The pipeline depth to try after a launch needed more shared memory than the GPU has:
-    ``stages - 1``. As Triton 3.6 compiles the picked configs for sm_89, bf16 / fp16 x fit a
-    consumer GPU's 99 KB; float32 x needs up to 160 KB with int8 weights and up to 240 KB with
-    float32 ones (past an H200's 227 KB too), and every one of them fits 99 KB at one stage.
+    ``stages - 1``. As Triton 3.6 compiles the picked configs for sm_89 (99 KB a block on consumer
+    GPUs), int8 / fp8 weights with bf16 / fp16 x fit (at most 72 KB); bf16 / fp16 weights do not all
+    (gate+up 120 KB, the output projection 108 KB, a DeltaNet layer's four inputs 216 KB), nor
+    does float32 x (up to 160 KB with int8 weights, 432 KB with float32 ones, past an H200's 227
+    KB too); fewer stages fit each of them in 99 KB, one stage at the latest.
     An explicit ``config=`` re-raises (``int8_gemv.py``'s sweeps skip such configs), a
     ``CONFIG_ENV`` entry becomes a ValueError naming it, and a single stage that does not fit
     re-raises."""

@@ -150,8 +150,8 @@ class _SmallSharedMemory:
 
 @pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
 def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monkeypatch, caplog):
-    """A picked launch that needs more shared memory than the GPU has (float32 x on a 99 KB consumer
-    GPU) runs with fewer pipeline stages, the same product, one warning per shape; an explicit
+    """A picked launch that needs more shared memory than the GPU has (bf16 weights or float32 x on a 99 KB
+    consumer GPU) runs with fewer pipeline stages, the same product, one warning per shape; an explicit
     ``config=`` still raises, an env entry raises naming the variable, one stage that does not fit
     raises."""
     from triton.runtime.errors import OutOfResources
