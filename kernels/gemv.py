@@ -564,11 +564,13 @@ def _fewer_stages(exc: Exception, cfg: tuple, stages: int, explicit: bool, from_
     An explicit ``config=`` re-raises (``int8_gemv.py``'s sweeps skip such configs), a
     ``CONFIG_ENV`` entry becomes a ValueError naming it, and a single stage that does not fit
     re-raises."""
-    if explicit or (stages <= 1 and not from_env):
+    if explicit:
         raise exc
     if from_env:
         raise ValueError(f"{CONFIG_ENV}: the launch config {tuple(cfg)} for a {tuple(w.shape)} weight does not fit "
                          f"this GPU's shared memory ({exc}); name a smaller BLOCK_K or fewer stages") from exc
+    if stages <= 1:
+        raise exc
     return stages - 1
 
 

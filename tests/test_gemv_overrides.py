@@ -130,24 +130,6 @@ def test_malformed_value_keeps_the_plan_off_and_says_why(tiny, monkeypatch):
     assert plan is not None, why
 
 
-class _SmallSharedMemory:
-    """Stands in for ``_gemv_kernel`` on a GPU whose shared memory holds at most ``fits`` pipeline
-    stages: deeper launches raise Triton's OutOfResources (as a launch does before enqueueing
-    anything), the others run the real kernel."""
-
-    def __init__(self, real, fits):
-        self.real, self.fits, self.stages = real, fits, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.stages.append(kw["num_stages"])
-            if kw["num_stages"] > self.fits:
-                from triton.runtime.errors import OutOfResources
-                raise OutOfResources(160 * 1024, 99 * 1024, "shared memory")
-            return self.real[grid](*args, **kw)
-        return launch
-
-
 @pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
 def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monkeypatch, caplog):
     """A picked launch that needs more shared memory than the GPU has (bf16 weights or float32 x on a 99 KB
@@ -163,14 +145,20 @@ def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monke
     ref = (x.double() @ q.double().T) * s.double()
     monkeypatch.setattr(gemv, "_SHRUNK", {})
     monkeypatch.setattr(gemv, "_default_config", lambda n, k, quant=False: (16, 64, 4, 4, 2))
-    small = _SmallSharedMemory(gemv._gemv_kernel, fits=2)
-    monkeypatch.setattr(gemv, "_gemv_kernel", small)
+    stages, fits = [], [2]
+
+    def small_shared_memory(grid, args, kw):  # a GPU holding ``fits[0]`` stages: deeper launches fail
+        stages.append(kw["num_stages"])  # as a launch does, before the kernel runs
+        if kw["num_stages"] > fits[0]:
+            raise OutOfResources(160 * 1024, 99 * 1024, "shared memory")
+
+    monkeypatch.setattr(gemv, "_gemv_kernel", _Spy(gemv._gemv_kernel, small_shared_memory))
     with caplog.at_level("WARNING", logger=gemv.__name__):
         first = gemv.gemv(x, q, s)
         second = gemv.gemv(x, q, s)
     for out in (first, second):
         assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    assert small.stages == [4, 3, 2, 2]  # shrunk once, then launched at the depth that fit
+    assert stages == [4, 3, 2, 2]  # shrunk once, then launched at the depth that fit
     said = [r.getMessage() for r in caplog.records if r.name == gemv.__name__]
     assert len(said) == 1 and "shared memory" in said[0] and "2 pipeline stages instead of 4" in said[0]
     with pytest.raises(OutOfResources):
@@ -181,7 +169,7 @@ def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monke
         gemv.gemv(x, q, s)
     monkeypatch.delenv(ENV)
     gemv.load_overrides()
-    small.fits = 0
+    fits[0] = 0
     monkeypatch.setattr(gemv, "_SHRUNK", {})
     with pytest.raises(OutOfResources):
         gemv.gemv(x, q, s)
