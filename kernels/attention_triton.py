@@ -220,9 +220,16 @@ def _combine_gate_kernel(
     tl.store(OUT + ((b.to(tl.int64) * S + s) * hq + h) * D + offs_d, (o * sig).to(DT))
 
 
+def _device_limits(device: torch.device) -> tuple[int, int] | None:
+    """(SM count, shared memory a block may opt in to, in bytes) of a CUDA ``device``; None elsewhere
+    (the interpreter: no limit)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
-def _device_limits(device_index: int) -> tuple[int, int]:
-    """(SM count, shared memory a block may opt in to, in bytes)."""
+def _cuda_limits(device_index: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(device_index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
     return props.multi_processor_count, smem
@@ -234,10 +241,11 @@ _TILES = ((64, 3), (64, 2), (32, 3), (32, 2), (16, 2), (16, 1))
 
 def default_splits(q: torch.Tensor, hkv: int, n_mb: int) -> int:
     """Fixed split count: about one program per SM over the whole grid (4 on the interpreter)."""
-    if q.device.type != "cuda":
+    limits = _device_limits(q.device)
+    if limits is None:
         return 4
     programs = q.shape[0] * hkv * n_mb
-    return max(1, min(128, -(-_device_limits(q.device.index or 0)[0] // programs)))
+    return max(1, min(128, -(-limits[0] // programs)))
 
 
 _SHRUNK: dict[tuple, int] = {}  # (device, dtype, D, BLOCK_M) -> first _TILES index that compiled
@@ -248,6 +256,10 @@ def default_config(d: int, itemsize: int, block_m: int, smem_limit: int, start: 
 
     8 warps pay off once the query block has 32+ rows (S >= 4 for Qwen3.5's 4 query heads per kv
     head); a consumer GPU with ~100 KB of shared memory gets a smaller tile instead of a failure.
+    The estimate counts ``stages`` K and V tiles, more than Triton keeps: compiled for sm_89 and
+    sm_90 by Triton 3.6 and 3.9 (D 256, bf16, 16-row blocks) the tiles take (64, 3) 138 KB, (64, 2)
+    74 KB, (32, 3) 73 KB, (32, 2) 41 KB, so a 99 KB GPU gets (32, 2) where (64, 2) and (32, 3) fit
+    too; which of them is fastest there is not measured.
     """
     for block_n, stages in _TILES[start:]:
         need = stages * 2 * block_n * d * itemsize + block_m * d * itemsize + 4096
@@ -272,7 +284,7 @@ def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_spli
     tile_from_env = config is None and forced_cfg is not None
     config = config or forced_cfg
     key = (str(q.device), q.dtype, d, block_m)
-    smem = _device_limits(q.device.index or 0)[1] if q.device.type == "cuda" else 1 << 30
+    smem = (_device_limits(q.device) or (0, 1 << 30))[1]
     cfg = dict(default_config(d, q.element_size(), block_m, smem, _SHRUNK.get(key, 0)), **(config or {}))
     o_part = torch.empty(b_sz * hkv * n_split * rows * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b_sz * hkv * n_split * rows, dtype=torch.float32, device=q.device)

@@ -489,9 +489,7 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     if not 1 <= len(weights) <= MAX_GROUP:
         raise ValueError(f"gemv_group: 1..{MAX_GROUP} weights, got {len(weights)}")
     quant = weights[0].dtype in QUANT_DTYPES
-    fp8 = FP8_DTYPES.index(weights[0].dtype) + 1 if weights[0].dtype in FP8_DTYPES else 0
-    if fp8 == 1 and x.dtype == torch.bfloat16 and x.device.type == "cuda" and not interpreting():
-        fp8 = 3  # e4m3 -> bf16 by integer ops (``_e4m3_bf16``; inline PTX, not in the interpreter)
+    fp8 = _fp8_mode(weights[0].dtype, x)
     if scales is not None and len(scales) != len(weights):
         raise ValueError(f"gemv_group: {len(scales)} scales for {len(weights)} weights")
     k = weights[0].shape[-1]
@@ -550,17 +548,36 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
 
 
+def _fp8_mode(w_dtype: torch.dtype, x: torch.Tensor) -> int:
+    """``_tile``'s FP8 for weights of ``w_dtype`` read with x: 0 (int8 or x's dtype), 1 (e4m3fn), 2
+    (e5m2), 3 (e4m3fn with bf16 x where the kernel is compiled for a GPU: ``_e4m3_bf16``, inline
+    PTX the interpreter cannot run)."""
+    if w_dtype not in FP8_DTYPES:
+        return 0
+    mode = FP8_DTYPES.index(w_dtype) + 1
+    return 3 if mode == 1 and x.dtype == torch.bfloat16 and _compiled(x.device) else mode
+
+
+def _compiled(device: torch.device) -> bool:
+    """True where Triton compiles kernels for ``device`` (a CUDA device without the interpreter)."""
+    return device.type == "cuda" and not interpreting()
+
+
 #: (device, x dtype, weight dtype, config) -> the pipeline stages that fit where the config's did not
 _SHRUNK: dict[tuple, int] = {}
 
 
 def _fewer_stages(exc: Exception, cfg: tuple, stages: int, explicit: bool, from_env: bool, w: torch.Tensor) -> int:
     """The pipeline depth to try after a launch needed more shared memory than the GPU has:
-    ``stages - 1``. As Triton 3.6 compiles the picked configs for sm_89 (99 KB a block on consumer
-    GPUs), int8 / fp8 weights with bf16 / fp16 x fit (at most 72 KB); bf16 / fp16 weights do not all
-    (gate+up 120 KB, the output projection 108 KB, a DeltaNet layer's four inputs 216 KB), nor
-    does float32 x (up to 160 KB with int8 weights, 432 KB with float32 ones, past an H200's 227
-    KB too); fewer stages fit each of them in 99 KB, one stage at the latest.
+    ``stages - 1``. What the picked configs need depends on the Triton version (compiled for sm_89
+    at the 9B shapes, bf16 x, ``tests/consumer_step.py``): with Triton 3.6 int8 / fp8 weights fit a
+    consumer GPU's 99 KB (at most 72 KB), bf16 / fp16 weights do not all (gate+up 120 KB, the
+    output projection 108 KB, a DeltaNet layer's four inputs 216 KB), nor does float32 x (up to
+    160 KB with int8 weights); Triton 3.9 gives each weight of a grouped launch buffers of its own
+    where 3.6 shares them, so int8 gate+up needs 144 KB and bf16 gate+up 240 KB, q/k/v 144 KB, the
+    DeltaNet inputs 432 KB (past an H200's 227 KB too; the K-sliced launches stay at 64 KB). Fewer
+    stages fit each of them (``tests/test_consumer_gpu.py`` compiles the step for sm_89, sm_120 and
+    sm_90 and checks that every launch fits and that each shrink is said).
     An explicit ``config=`` re-raises (``int8_gemv.py``'s sweeps skip such configs), a
     ``CONFIG_ENV`` entry becomes a ValueError naming it, and a single stage that does not fit
     re-raises."""
