@@ -574,7 +574,7 @@ def _fewer_stages(exc: Exception, cfg: tuple, stages: int, explicit: bool, from_
     consumer GPU's 99 KB (at most 72 KB), bf16 / fp16 weights do not all (gate+up 120 KB, the
     output projection 108 KB, a DeltaNet layer's four inputs 216 KB), nor does float32 x (up to
     160 KB with int8 weights); Triton 3.9 gives each weight of a grouped launch buffers of its own
-    where 3.6 shares them, so int8 gate+up needs 144 KB and bf16 gate+up 240 KB, q/k/v 144 KB, the
+    where 3.6 lets some share them, so int8 gate+up needs 144 KB and bf16 gate+up 240 KB, q/k/v 144 KB, the
     DeltaNet inputs 432 KB (past an H200's 227 KB too; the K-sliced launches stay at 64 KB). Fewer
     stages fit each of them (``tests/test_consumer_gpu.py`` compiles the step for sm_89, sm_120 and
     sm_90 and checks that every launch fits and that each shrink is said).
