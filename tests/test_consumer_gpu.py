@@ -7,7 +7,7 @@ Triton's own shared memory check at launch (``tests/fake_gpu.py``); nothing runs
 what a user on that GPU would see: no launch fails, every launch fits, and a GEMV that runs with
 fewer pipeline stages than the pack picked says so (a warning naming the config). How much shared
 memory a launch needs depends on the Triton version (the grouped GEMV's branches share their
-buffers in Triton 3.6 and do not in 3.9), so the test asserts no sizes.
+buffers in part in Triton 3.6 and not at all in 3.9), so the test asserts no sizes.
 """
 
 from __future__ import annotations
