@@ -85,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, triton_device_reason
+from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, say_once, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 from .overrides import EnvOverrides, entries, pow2_between
 from .pdl import enter, launch_args, trigger, wait
@@ -104,6 +104,22 @@ __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "h
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
 _PREFETCH_ENV = "QWEN35_FAST_L2_PREFETCH_KB"
+
+
+def _slices_reason() -> str | None:
+    """None when this Triton compiles the K-sliced tile (``_tile``'s SLICES > 1: a batched 3-D dot),
+    else why not. Triton 3.0-3.2 cannot (compiled for sm_89 by ``tests/consumer_step.py``: 3.0-3.2
+    reject ``tl.trans`` of a 3-D tile by a tuple, and given the permutation as arguments 3.2's
+    compiler aborts the process on the 3-D dot's shared-memory load); 3.3 to 3.9 can."""
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    if version >= (3, 3):
+        return None
+    return f"Triton {triton.__version__} cannot compile K-sliced GEMV tiles (Triton 3.3+ can)"
+
+
+#: None, or why the K-sliced tile cannot run here (``_slices_reason``); ``_default_config`` then
+#: picks unsliced tiles, and a config with K slices is refused before it reaches the compiler.
+SLICES_REASON = _slices_reason()
 
 
 def _prefetch_bytes() -> int:
@@ -260,9 +276,9 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_
             x = tl.load(X + offs_m[None, :, None] * sx_m + offs_k[:, None, :], mask=x_mask, other=0.0)
             w = _widen(w, x.dtype, QUANT, FP8)
             if IEEE:
-                acc3 += tl.dot(x, tl.trans(w, (0, 2, 1)), input_precision="ieee")
+                acc3 += tl.dot(x, tl.trans(w, 0, 2, 1), input_precision="ieee")
             else:
-                acc3 += tl.dot(x, tl.trans(w, (0, 2, 1)))
+                acc3 += tl.dot(x, tl.trans(w, 0, 2, 1))
         acc = tl.sum(acc3, 0)
     if QUANT:  # per-row scales (ss_n = 1) or one per tensor (ss_n = 0)
         acc *= tl.load(S + offs_n * ss_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -363,7 +379,8 @@ def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
     16384 columns and more (gate+up, the 248k-row output projection at its floor); 32 columns,
     512-wide tiles cut into 4 K slices, 3 stages, for a DeltaNet layer's four inputs (12352 columns:
     16.7 us against 17.4 for 32 columns, 128-wide tiles, 5 stages) and the attention q/k/v (10240
-    columns: 16.3 against 19.5 for 256-wide tiles, 4 stages; 16.6 unsliced); in the 9B int8 decode
+    columns: 16.3 against 19.5 for 256-wide tiles, 4 stages; 16.6 unsliced; with a Triton before
+    3.3, ``SLICES_REASON``, those unsliced tiles, said once); in the 9B int8 decode
     step in ComfyUI 339.7 / 339.0 tok/s against 334.2 / 333.6 in two processes, q/k/v alone 336.2
     sliced, 337.0 unsliced (``results/int8_gemv_h200_slices.json``); 2 warps for
     at most 8192 columns: the MLP down projection (in the 9B int8 decode step in ComfyUI 332.8
@@ -385,7 +402,12 @@ def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
         if n >= 16384:
             return 64, 256, 4, 4
         if 8192 < n < 16384 and k < 8192:
-            return 32, 512, 4, 3, 4
+            if SLICES_REASON is None:
+                return 32, 512, 4, 3, 4
+            say_once(log, f"gemv: {SLICES_REASON}; the DeltaNet inputs and attention q/k/v run with the unsliced "
+                          "tiles picked before them (1.5% slower in the 9B int8 step on an H200): update Triton "
+                          "(it comes with torch 2.7+) to run them")
+            return (32, 128, 4, 5) if n >= 11264 else (32, 256, 4, 4)
         if n <= 8192:
             return 32, 256, 2, 4
         return 32, 256, 4, 4
@@ -512,6 +534,9 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     stages = _SHRUNK.get(shrunk_key, stages)
     block_k = min(block_k, triton.next_power_of_2(k))
     slices = min(cfg[4] if len(cfg) > 4 else 1, max(1, block_k // 16))
+    if slices > 1 and SLICES_REASON is not None:  # never reaches the compiler: Triton 3.2's aborts the process
+        named = f"{CONFIG_ENV} entry " if env_cfg is not None else "config "
+        raise ValueError(f"gemv: {named}{tuple(cfg)} has K slices: {SLICES_REASON}; give four values")
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # a whole number of K tiles per range
     parts = triton.cdiv(k, k_per)  # <= split (fewer when K has fewer tiles)
     shape = (m,) if split == 1 else (parts, m)
@@ -570,14 +595,15 @@ _SHRUNK: dict[tuple, int] = {}
 def _fewer_stages(exc: Exception, cfg: tuple, stages: int, explicit: bool, from_env: bool, w: torch.Tensor) -> int:
     """The pipeline depth to try after a launch needed more shared memory than the GPU has:
     ``stages - 1``. What the picked configs need depends on the Triton version (compiled for sm_89
-    at the 9B shapes, bf16 x, ``tests/consumer_step.py``): with Triton 3.6 int8 / fp8 weights fit a
-    consumer GPU's 99 KB (at most 72 KB), bf16 / fp16 weights do not all (gate+up 120 KB, the
-    output projection 108 KB, a DeltaNet layer's four inputs 216 KB), nor does float32 x (up to
-    160 KB with int8 weights); Triton 3.9 gives each weight of a grouped launch buffers of its own
-    where 3.6 lets some share them, so int8 gate+up needs 144 KB and bf16 gate+up 240 KB, q/k/v 144 KB, the
-    DeltaNet inputs 432 KB (past an H200's 227 KB too; the K-sliced launches stay at 64 KB). Fewer
-    stages fit each of them (``tests/test_consumer_gpu.py`` compiles the step for sm_89, sm_120 and
-    sm_90 and checks that every launch fits and that each shrink is said).
+    at the 9B shapes, bf16 x, ``tests/consumer_step.py``). With Triton 3.3 to 3.6 int8 / fp8
+    weights fit a consumer GPU's 99 KB (at most 72 KB; with 3.0-3.2 gate+up needs 104 KB). With
+    3.6 bf16 / fp16 weights do not all (gate+up 120 KB, the output projection 108 KB, a DeltaNet
+    layer's four inputs 216 KB), nor does float32 x (up to 160 KB with int8 weights). Triton 3.9
+    gives each weight of a grouped launch buffers of its own where 3.6 lets some share them: int8
+    gate+up needs 144 KB, bf16 gate+up 240 KB, q/k/v 144 KB and the DeltaNet inputs 432 KB (past
+    an H200's 227 KB too; the K-sliced launches stay at 64 KB). Fewer stages fit each of them
+    (``tests/test_consumer_gpu.py`` compiles the step for sm_89, sm_120 and sm_90 and checks that
+    every launch fits and that each shrink is said).
     An explicit ``config=`` re-raises (``int8_gemv.py``'s sweeps skip such configs), a
     ``CONFIG_ENV`` entry becomes a ValueError naming it, and a single stage that does not fit
     re-raises."""

@@ -21,6 +21,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
+_TRITON = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+
 
 @dataclass
 class Launch:
@@ -39,8 +41,9 @@ class _Utils:
         return {"max_shared_mem": self.gpu.shared, "multiprocessor_count": self.gpu.sms, "max_num_regs": 65536,
                 "warpSize": 32, "sm_clock_rate": 2_000_000, "mem_clock_rate": 10_000_000, "mem_bus_width": 256}
 
-    def load_binary(self, name, kernel, shared, device):  # (module, function, regs, spills, max threads)
-        return 0, 0, 0, 0, 1024
+    def load_binary(self, name, kernel, shared, device):
+        # (module, function, registers, spills[, max threads per block]: Triton 3.4+)
+        return (0, 0, 0, 0, 1024) if _TRITON >= (3, 4) else (0, 0, 0, 0)
 
 
 class FakeGPU:

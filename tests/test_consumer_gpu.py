@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -40,23 +41,60 @@ GPUS = {
 }
 
 
+#: torch 2.6's Triton, the newest without K-sliced tiles (``gemv.SLICES_REASON``): with them its
+#: compiler aborts the process. Triton 3.0 and 3.1 (torch 2.4, 2.5) refuse them alike; checked by hand.
+OLD_TRITON = "3.2.0"
+
+
+def _run_step(spec: dict, pythonpath: str | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, str(STEP), json.dumps(spec)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _result(name: str, proc: subprocess.Popen) -> dict:
+    stdout, stderr = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, f"{name}: consumer_step.py failed ({proc.returncode}):\n{stderr[-4000:]}"
+    return json.loads(stdout)
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
     """Each entry of ``GPUS`` through ``consumer_step.py``, two processes at a time (each compiles)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out, names = {}, list(GPUS)
     for start in range(0, len(names), 2):
         procs = {}
         for name in names[start:start + 2]:
             cc, shared, cells, rows = GPUS[name]
-            spec = json.dumps({"cc": cc, "shared": shared, "cells": cells, "rows": rows})
-            procs[name] = subprocess.Popen([sys.executable, str(STEP), spec], env=env, text=True,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            procs[name] = _run_step({"cc": cc, "shared": shared, "cells": cells, "rows": rows})
         for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=1200)
-            assert proc.returncode == 0, f"{name}: consumer_step.py failed:\n{stderr[-4000:]}"
-            out[name] = json.loads(stdout)
+            out[name] = _result(name, proc)
     return out
+
+
+@pytest.fixture(scope="module")
+def old_triton() -> Path:
+    """Triton ``OLD_TRITON`` unpacked from its wheel for this Python (``pip download``, kept in
+    ``$QWEN35_FAST_CI_CACHE``); skips when no such wheel can be had here."""
+    cache = Path(os.environ.get("QWEN35_FAST_CI_CACHE") or Path.home() / ".cache" / "qwen35-fast-ci")
+    root = cache / f"triton-{OLD_TRITON}-py{sys.version_info[0]}{sys.version_info[1]}"
+    if not (root / "triton" / "__init__.py").exists():
+        wheels = cache / "wheels"
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                              f"triton=={OLD_TRITON}", "-d", str(wheels)], capture_output=True, text=True)
+        found = sorted(wheels.glob(f"triton-{OLD_TRITON}-*.whl"))
+        if got.returncode or not found:
+            pytest.skip(f"no Triton {OLD_TRITON} wheel for this Python here: {got.stderr.strip()[-300:]}")
+        part = root.with_suffix(".part")
+        with zipfile.ZipFile(found[-1]) as whl:
+            for info in whl.infolist():  # with each file's mode: ptxas must stay executable
+                path = whl.extract(info, part)
+                if info.external_attr >> 16:
+                    os.chmod(path, (info.external_attr >> 16) & 0o777)
+        part.rename(root)  # whole or absent: an interrupted unpack is redone
+    return root
 
 
 def _split(result: dict) -> tuple[list[dict], list[dict]]:
@@ -104,3 +142,22 @@ def test_a_gemv_with_fewer_stages_than_picked_says_so(compiled, name):
             assert said, f"{c['call']}: {picked} ran with {launch['stages']} stages and nothing said so: {warnings}"
         else:
             assert launch["stages"] == picked[3], (c["call"], picked, launch)
+
+
+def test_an_old_triton_compiles_the_step_without_k_slices(old_triton):
+    """Triton 3.0-3.2 cannot compile the K-sliced tile the int8 DeltaNet inputs and q/k/v pick on
+    3.3+ (3.2's compiler aborts the process). Under torch 2.6's Triton the step picks unsliced tiles
+    for them, says so once, and every kernel launches within a consumer GPU's shared memory."""
+    result = _result(f"Triton {OLD_TRITON}", _run_step(
+        {"cc": 89, "shared": CONSUMER, "cells": [["bfloat16", "int8"]], "rows": [1, 4]}, str(old_triton)))
+    assert result["triton"] == OLD_TRITON
+    step, checks = _split(result)
+    assert checks and all(c["error"] and c["error"].startswith("OutOfResources") for c in checks)
+    failed = [(c["call"], c["error"]) for c in step if c["error"]]
+    assert not failed, "\n".join(f"{n}: {e}" for n, e in failed)
+    for c in step:
+        assert c["launches"] and all(x["shared"] <= CONSUMER for x in c["launches"]), c
+    grouped = [c for c in step if c["call"].endswith(("DeltaNet inputs", "q/k/v"))]
+    assert len(grouped) == 4 and all(len(c["picked"]) == 4 for c in grouped), grouped
+    said = [w for w in result["warnings"] if "cannot compile K-sliced GEMV tiles" in w]
+    assert len(said) == 1 and f"Triton {OLD_TRITON}" in said[0], result["warnings"]

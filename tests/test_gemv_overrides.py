@@ -67,6 +67,19 @@ class _Spy:
         return launch
 
 
+def _env_entry_refused(monkeypatch, entry: str, match: str, call) -> None:
+    """With ``ENV`` set to ``entry``, ``call()`` raises a ValueError matching ``match``; the overrides
+    are read again without it afterwards."""
+    monkeypatch.setenv(ENV, entry)
+    gemv.load_overrides()
+    try:
+        with pytest.raises(ValueError, match=match):
+            call()
+    finally:
+        monkeypatch.delenv(ENV)
+        gemv.load_overrides()
+
+
 def _set_env(monkeypatch, var: str, value: str | None) -> None:
     """``var`` set to ``value``, or unset when ``value`` is None (restored after the test)."""
     if value is None:
@@ -163,16 +176,42 @@ def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monke
     assert len(said) == 1 and "shared memory" in said[0] and "2 pipeline stages instead of 4" in said[0]
     with pytest.raises(OutOfResources):
         gemv.gemv(x, q, s, config=(16, 64, 4, 3))
-    monkeypatch.setenv(ENV, f"quant:{n}x{k}=16,64,4,3")
-    gemv.load_overrides()
-    with pytest.raises(ValueError, match=rf"{ENV}: .*does not fit this GPU's shared memory"):
-        gemv.gemv(x, q, s)
-    monkeypatch.delenv(ENV)
-    gemv.load_overrides()
+    _env_entry_refused(monkeypatch, f"quant:{n}x{k}=16,64,4,3", rf"{ENV}: .*does not fit this GPU's shared memory",
+                       lambda: gemv.gemv(x, q, s))
     fits[0] = 0
     monkeypatch.setattr(gemv, "_SHRUNK", {})
     with pytest.raises(OutOfResources):
         gemv.gemv(x, q, s)
+
+
+def test_a_triton_without_k_slices_gets_unsliced_tiles_and_refuses_sliced_configs(rng, monkeypatch, caplog):
+    """Before Triton 3.3 the K-sliced tile does not compile (``tests/consumer_step.py`` under Triton
+    3.0-3.2: a CompilationError, and 3.2's compiler aborts the process once that is worked around).
+    There the DeltaNet inputs and q/k/v get the unsliced tiles picked before them, said once, and a
+    config with K slices, explicit or from the environment, is refused before any launch."""
+    from qwen35_fast.kernels import capabilities
+
+    why = "Triton 3.2.0 cannot compile K-sliced GEMV tiles (Triton 3.3+ can)"
+    monkeypatch.setattr(gemv, "SLICES_REASON", why)
+    monkeypatch.setattr(capabilities, "_SAID", set())
+    with caplog.at_level("WARNING", logger=gemv.__name__):
+        picks = [gemv._default_config(12352, 4096, True), gemv._default_config(10240, 4096, True)]
+    assert picks == [(32, 128, 4, 5), (32, 256, 4, 4)]  # the picks of 76ace7d, before K slices
+    said = [r.getMessage() for r in caplog.records if r.name == gemv.__name__]
+    assert len(said) == 1 and why in said[0]
+    k, n = 128, 24
+    x = torch.randn(1, k, generator=rng)
+    q = torch.randint(-127, 128, (n, k), generator=rng, dtype=torch.int8)
+    s = torch.rand(n, generator=rng) * 1e-3 + 1e-4
+    launched = []
+    monkeypatch.setattr(gemv, "_gemv_kernel", _Spy(gemv._gemv_kernel, lambda grid, args, kw: launched.append(kw)))
+    with pytest.raises(ValueError, match=r"gemv: config \(16, 64, 4, 2, 2\) has K slices: Triton 3\.2\.0"):
+        gemv.gemv(x, q, s, config=(16, 64, 4, 2, 2))
+    _env_entry_refused(monkeypatch, f"quant:{n}x{k}=16,64,4,2,2", rf"{ENV} entry \(16, 64, 4, 2, 2\) has K slices",
+                       lambda: gemv.gemv(x, q, s))
+    assert not launched
+    out = gemv.gemv(x, q, s, config=(16, 64, 4, 2))  # four values still run
+    assert launched and ((out.double() - (x.double() @ q.double().T) * s.double()).abs().max() < 1e-4)
 
 
 def test_deltanet_parse_reads_and_refuses():
