@@ -84,10 +84,10 @@ def old_triton() -> Path:
         wheels = cache / "wheels"
         got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                               f"triton=={OLD_TRITON}", "-d", str(wheels)], capture_output=True, text=True)
-        found = sorted(wheels.glob(f"triton-{OLD_TRITON}-*.whl"))
+        found = sorted(wheels.glob(f"triton-{OLD_TRITON}-cp{sys.version_info[0]}{sys.version_info[1]}-*.whl"))
         if got.returncode or not found:
             pytest.skip(f"no Triton {OLD_TRITON} wheel for this Python here: {got.stderr.strip()[-300:]}")
-        part = root.with_suffix(".part")
+        part = root.parent / f"{root.name}.part"
         with zipfile.ZipFile(found[-1]) as whl:
             for info in whl.infolist():  # with each file's mode: ptxas must stay executable
                 path = whl.extract(info, part)
