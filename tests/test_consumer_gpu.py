@@ -104,26 +104,36 @@ def _split(result: dict) -> tuple[list[dict], list[dict]]:
     return step, checks
 
 
-@pytest.mark.parametrize("name", list(GPUS))
-def test_the_shared_memory_check_is_live(compiled, name):
-    """A launch config given explicitly is never shrunk; one that needs more shared memory than
-    the GPU has must fail with Triton's OutOfResources, or the rest of this file proves nothing."""
-    _, checks = _split(compiled[name])
+def _assert_check_live(result: dict) -> None:
+    """Every explicit config past the limit failed with Triton's OutOfResources."""
+    _, checks = _split(result)
     assert checks, "consumer_step.py made no check call"
     for c in checks:
         assert c["error"] and c["error"].startswith("OutOfResources"), (c["call"], c["error"], c["launches"])
 
 
-@pytest.mark.parametrize("name", list(GPUS))
-def test_every_decode_kernel_launches_within_the_gpus_shared_memory(compiled, name):
-    cc, shared, _, _ = GPUS[name]
-    step, _ = _split(compiled[name])
+def _assert_step_fits(result: dict, cc: int, shared: int) -> None:
+    """No call of the step failed, each launched Triton kernels, and every launch fits ``shared``."""
+    step, _ = _split(result)
     failed = [(c["call"], c["error"]) for c in step if c["error"]]
-    assert not failed, f"Triton {compiled[name]['triton']}, sm_{cc}: " + "\n".join(f"{n}: {e}" for n, e in failed)
+    assert not failed, f"Triton {result['triton']}, sm_{cc}: " + "\n".join(f"{n}: {e}" for n, e in failed)
     for c in step:
         assert c["launches"], f"{c['call']}: no Triton kernel launched (a torch path was taken)"
         for launch in c["launches"]:
             assert launch["shared"] <= shared, (c["call"], launch)
+
+
+@pytest.mark.parametrize("name", list(GPUS))
+def test_the_shared_memory_check_is_live(compiled, name):
+    """A launch config given explicitly is never shrunk; one that needs more shared memory than
+    the GPU has must fail with Triton's OutOfResources, or the rest of this file proves nothing."""
+    _assert_check_live(compiled[name])
+
+
+@pytest.mark.parametrize("name", list(GPUS))
+def test_every_decode_kernel_launches_within_the_gpus_shared_memory(compiled, name):
+    cc, shared, _, _ = GPUS[name]
+    _assert_step_fits(compiled[name], cc, shared)
 
 
 @pytest.mark.parametrize("name", list(GPUS))
@@ -151,12 +161,9 @@ def test_an_old_triton_compiles_the_step_without_k_slices(old_triton):
     result = _result(f"Triton {OLD_TRITON}", _run_step(
         {"cc": 89, "shared": CONSUMER, "cells": [["bfloat16", "int8"]], "rows": [1, 4]}, str(old_triton)))
     assert result["triton"] == OLD_TRITON
-    step, checks = _split(result)
-    assert checks and all(c["error"] and c["error"].startswith("OutOfResources") for c in checks)
-    failed = [(c["call"], c["error"]) for c in step if c["error"]]
-    assert not failed, "\n".join(f"{n}: {e}" for n, e in failed)
-    for c in step:
-        assert c["launches"] and all(x["shared"] <= CONSUMER for x in c["launches"]), c
+    _assert_check_live(result)
+    _assert_step_fits(result, 89, CONSUMER)
+    step, _ = _split(result)
     grouped = [c for c in step if c["call"].endswith(("DeltaNet inputs", "q/k/v"))]
     assert len(grouped) == 4 and all(len(c["picked"]) == 4 for c in grouped), grouped
     said = [w for w in result["warnings"] if "cannot compile K-sliced GEMV tiles" in w]
