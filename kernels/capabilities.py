@@ -77,11 +77,12 @@ PDL_ENV = "QWEN35_FAST_PDL"
 
 @functools.lru_cache(maxsize=None)
 def triton_pdl_reason() -> str | None:
-    """None when this Triton can launch kernels with programmatic dependent launch, else why not."""
+    """None when this Triton can launch kernels with programmatic dependent launch (its launcher
+    takes ``launch_pdl``: Triton 3.4+; the kernels' ``griddepcontrol`` instructions are the pack's
+    own, ``kernels/pdl.py``), else why not."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
-    except Exception as exc:  # no Triton, an old one, or no NVIDIA backend
+    except Exception as exc:  # no Triton, or no NVIDIA backend
         return f"this Triton has no programmatic dependent launch ({type(exc).__name__}: {exc}; Triton 3.4+ has it)"
     if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
         return "this Triton's launcher takes no launch_pdl (Triton 3.4+ does)"

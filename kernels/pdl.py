@@ -14,7 +14,9 @@ The protocol every kernel compiled with ``PDL=True`` follows:
 
 * small kernels: ``enter(PDL)`` first (let the next kernel launch, then wait);
 * the GEMV: wait, then let the next kernel launch (so a product's programs never queue ahead of
-  the one streaming); its weights stream evict-first.
+  the one streaming); its weights stream evict-first. With ``QWEN35_FAST_GEMV_EARLY=1`` the wait
+  is in its tile loop's first pass, after the pipeline's first weight tiles were asked for and
+  before anything the previous kernels wrote is read (``kernels/gemv.py``).
 
 Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-plain): int8 +3.1%,
 bf16 +0.8% in the latest full run; int8 +4% before the decode loop ran ahead of the host. A GEMV that
@@ -36,34 +38,43 @@ import triton.language as tl
 
 from .capabilities import pdl_reason
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # Triton < 3.4: pdl_reason says no, and PDL=False never reaches these names
-    gdc_launch_dependents = gdc_wait = None
-
 __all__ = ["enter", "launch_args", "trigger", "wait"]
+
+
+@triton.jit
+def _gdc_wait():
+    # The PTX of Triton 3.6's own ``gdc_wait``. Triton's helpers are not called: Triton 3.4.0's
+    # (torch 2.8's) take a ``_builder`` argument its compiler no longer passes, so every kernel
+    # calling them failed to compile there (``tests/test_consumer_gpu.py`` compiles the step under it).
+    tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gdc_launch_dependents():
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
 def enter(PDL: tl.constexpr):
     """A small kernel's first statement: the next kernel may launch; wait for the previous one."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        _gdc_launch_dependents()
+        _gdc_wait()
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
     """Wait until the previous kernel has completed and its writes are visible."""
     if PDL:
-        gdc_wait()
+        _gdc_wait()
 
 
 @triton.jit
 def trigger(PDL: tl.constexpr):
     """Let the next kernel launch (it waits for this one before it reads anything)."""
     if PDL:
-        gdc_launch_dependents()
+        _gdc_launch_dependents()
 
 
 _ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}

@@ -9,7 +9,8 @@ into the KV cache, decode attention, the gates, the RoPE tables, ``lm_head``, th
 MTP head's ``fc``) at Qwen3.5-9B's shapes, for each cell (activation dtype, weight format: int8 with
 ConvRot 256 as the Comfy-Org PE file, fp8 e4m3fn per tensor, or weights in the activation dtype)
 and each row count. Every launch goes through Triton's compile for that target and its shared
-memory check; none runs. Prints one JSON object: per call, the error (or null), the launches
+memory check; none runs. Prints one JSON object: the Triton version, why launches do not overlap
+(null where they do: programmatic dependent launch), per call, the error (or null), the launches
 (kernel, shared bytes, warps, stages, grid), the warnings the pack logged and, for a GEMV, the
 launch config the pack picked; then a last call per cell whose explicit config (never shrunk)
 needs more shared memory than any GPU has: it must fail, or the check is not live.
@@ -96,7 +97,8 @@ def main(spec: dict) -> dict:
         for rows in spec["rows"]:
             _step(call, torch, gemv, fused_ops, deltanet_step, attention_triton, argmax, dt, fmt, rows,
                   f"{dt_name} {fmt} rows {rows}")
-    return {"triton": __import__("triton").__version__, "warnings": warned.messages, "calls": calls}
+    pdl_off = capabilities.triton_pdl_reason() if spec["cc"] >= 90 else "compute capability below 9.0"
+    return {"triton": __import__("triton").__version__, "pdl": pdl_off, "warnings": warned.messages, "calls": calls}
 
 
 def _weights(torch, fmt: str, dt, shapes):

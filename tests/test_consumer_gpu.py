@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -44,10 +45,14 @@ GPUS = {
 #: torch 2.6's Triton, the newest without K-sliced tiles (``gemv.SLICES_REASON``): with them its
 #: compiler aborts the process. Triton 3.0 and 3.1 (torch 2.4, 2.5) refuse them alike; checked by hand.
 OLD_TRITON = "3.2.0"
+#: torch 2.8's Triton, the first whose launcher takes ``launch_pdl``: its own ``gdc_wait`` /
+#: ``gdc_launch_dependents`` do not compile (they take ``_builder``, its compiler passes ``_semantic``).
+PDL_TRITON = "3.4.0"
 
 
-def _run_step(spec: dict, pythonpath: str | None = None) -> subprocess.Popen:
+def _run_step(spec: dict, pythonpath: str | None = None, env_extra: dict | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra or {})
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, str(STEP), json.dumps(spec)], env=env, text=True,
@@ -74,19 +79,18 @@ def compiled() -> dict[str, dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def old_triton() -> Path:
-    """Triton ``OLD_TRITON`` unpacked from its wheel for this Python (``pip download``, kept in
+def _unpacked_triton(version: str) -> Path:
+    """Triton ``version`` unpacked from its wheel for this Python (``pip download``, kept in
     ``$QWEN35_FAST_CI_CACHE``); skips when no such wheel can be had here."""
     cache = Path(os.environ.get("QWEN35_FAST_CI_CACHE") or Path.home() / ".cache" / "qwen35-fast-ci")
-    root = cache / f"triton-{OLD_TRITON}-py{sys.version_info[0]}{sys.version_info[1]}"
+    root = cache / f"triton-{version}-py{sys.version_info[0]}{sys.version_info[1]}"
     if not (root / "triton" / "__init__.py").exists():
         wheels = cache / "wheels"
         got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                              f"triton=={OLD_TRITON}", "-d", str(wheels)], capture_output=True, text=True)
-        found = sorted(wheels.glob(f"triton-{OLD_TRITON}-cp{sys.version_info[0]}{sys.version_info[1]}-*.whl"))
+                              f"triton=={version}", "-d", str(wheels)], capture_output=True, text=True)
+        found = sorted(wheels.glob(f"triton-{version}-cp{sys.version_info[0]}{sys.version_info[1]}-*.whl"))
         if got.returncode or not found:
-            pytest.skip(f"no Triton {OLD_TRITON} wheel for this Python here: {got.stderr.strip()[-300:]}")
+            pytest.skip(f"no Triton {version} wheel for this Python here: {got.stderr.strip()[-300:]}")
         part = root.parent / f"{root.name}.part"
         with zipfile.ZipFile(found[-1]) as whl:
             for info in whl.infolist():  # with each file's mode: ptxas must stay executable
@@ -95,6 +99,11 @@ def old_triton() -> Path:
                     os.chmod(path, (info.external_attr >> 16) & 0o777)
         part.rename(root)  # whole or absent: an interrupted unpack is redone
     return root
+
+
+@pytest.fixture(scope="module")
+def old_triton() -> Path:
+    return _unpacked_triton(OLD_TRITON)
 
 
 def _split(result: dict) -> tuple[list[dict], list[dict]]:
@@ -168,3 +177,65 @@ def test_an_old_triton_compiles_the_step_without_k_slices(old_triton):
     assert len(grouped) == 4 and all(len(c["picked"]) == 4 for c in grouped), grouped
     said = [w for w in result["warnings"] if "cannot compile K-sliced GEMV tiles" in w]
     assert len(said) == 1 and f"Triton {OLD_TRITON}" in said[0], result["warnings"]
+
+
+def test_torch_2_8s_triton_compiles_the_step_with_overlapped_launches():
+    """Under torch 2.8's Triton (3.4.0), on a GPU with programmatic dependent launch (an RTX 50, as
+    on an H100 / H200), every kernel of the step compiles with its ``griddepcontrol`` instructions
+    and launches within the GPU's shared memory."""
+    root = _unpacked_triton(PDL_TRITON)
+    result = _result(f"Triton {PDL_TRITON}", _run_step(
+        {"cc": 120, "shared": CONSUMER, "cells": [["bfloat16", "int8"]], "rows": [1]}, str(root)))
+    assert result["triton"] == PDL_TRITON and result["pdl"] is None, result["pdl"]
+    _assert_check_live(result)
+    _assert_step_fits(result, 120, CONSUMER)
+
+
+@pytest.fixture(scope="module")
+def early_kernels(tmp_path_factory) -> dict[str, list[tuple[str, str]]]:
+    """The step's int8 GEMV kernels compiled for an H100 / H200 (programmatic dependent launch) with
+    ``QWEN35_FAST_GEMV_EARLY`` 1 and 0, each process with a Triton cache of its own:
+    ``{"1": [(ptx, ttgir), ...], "0": [...]}``."""
+    procs, dirs = {}, {}
+    for early in ("1", "0"):
+        dirs[early] = tmp_path_factory.mktemp(f"triton-cache-early{early}")
+        procs[early] = _run_step({"cc": 90, "shared": HOPPER, "cells": [["bfloat16", "int8"]], "rows": [1]},
+                                 env_extra={"QWEN35_FAST_GEMV_EARLY": early, "TRITON_CACHE_DIR": str(dirs[early])})
+    out = {}
+    for early, proc in procs.items():
+        result = _result(f"QWEN35_FAST_GEMV_EARLY={early}", proc)
+        _assert_check_live(result)
+        _assert_step_fits(result, 90, HOPPER)
+        out[early] = [(p.read_text(), p.with_suffix(".ttgir").read_text())
+                      for p in sorted(dirs[early].glob("*/_gemv_kernel.ptx"))]
+    return out
+
+
+def _before_first_wait(ptx: str) -> tuple[int, int]:
+    """(cp.async copies, ld.global loads) in the PTX before its first ``griddepcontrol.wait``."""
+    lines = ptx.splitlines()
+    first = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    head = [line.strip() for line in lines[:first]]
+    copies = sum(1 for line in head if re.match(r"(@%p\d+\s+)?cp\.async\.c[ga]\.shared\.global", line))
+    loads = sum(1 for line in head if re.match(r"(@%p\d+\s+)?ld\.global", line))
+    return copies, loads
+
+
+def test_early_weight_tiles_load_before_the_wait_and_the_previous_kernels_output_after(early_kernels):
+    """``QWEN35_FAST_GEMV_EARLY=1``: a GEMV's programs, scheduled while the kernels before them
+    still run, fill the first stages of their weight pipeline before ``griddepcontrol.wait``. Only
+    the weights may load there: x and the deferred norm's sums are the previous kernels' output.
+    Checked in what Triton compiles for sm_90 (int8 weights, bf16 x, every GEMV of the 9B step): the
+    pipeline's asynchronous copies are all of int8 weights, some come before the first wait, and
+    every plain global load (x, the norm's sums, the scales) comes after it. Without the setting the
+    first wait comes before any copy or load, so the check tells the two apart."""
+    assert len(early_kernels["1"]) >= 5 and len(early_kernels["0"]) >= 5, {k: len(v) for k, v in early_kernels.items()}
+    for ptx, ttgir in early_kernels["1"]:
+        copies = [line for line in ttgir.splitlines() if "async_copy_global_to_local" in line]
+        assert copies and all("!tt.ptr<i8>" in line for line in copies), \
+            "an asynchronous copy of something other than the int8 weight: x would load ahead of the wait"
+        before, loads = _before_first_wait(ptx)
+        assert before > 0, "no weight tile loads before the wait"
+        assert loads == 0, f"{loads} global loads before the wait"
+    for ptx, _ in early_kernels["0"]:
+        assert _before_first_wait(ptx) == (0, 0)

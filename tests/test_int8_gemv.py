@@ -355,3 +355,66 @@ def test_gpu_prefetching_the_next_weight_changes_nothing(rows, split):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], one[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_early_weight_tiles_change_nothing(monkeypatch, rows):
+    """``QWEN35_FAST_GEMV_EARLY`` (``gemv.EARLY_WEIGHTS``): the weight tiles of a product's first
+    pipeline stages load before its wait for the previous kernel, x after it. In a captured chain
+    at the 9B int8 shapes, each product reading what the norm launched just before it wrote (the
+    DeltaNet inputs and gate/up with the deferred norm's factor, the MLP down projection split
+    over K), replayed on new inputs: every output equals the same chain without it, bit for bit. A
+    product that read x, or the norm's sums, before that norm finished would give the previous
+    replay's answer."""
+    from qwen35_fast.kernels import gemv as gemv_mod
+    from qwen35_fast.kernels.capabilities import pdl_reason
+    from qwen35_fast.kernels.fused_ops import add_rms_norm
+    from qwen35_fast.kernels.gemv import split_k
+
+    why = pdl_reason(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"EARLY needs overlapped launches: {why}")
+    gen = torch.Generator(device="cuda").manual_seed(4321 + rows)
+    x = torch.empty(1, rows, 4096, device="cuda", dtype=torch.bfloat16)
+    x2 = torch.empty(1, rows, 12288, device="cuda", dtype=torch.bfloat16)
+    w, w2 = (torch.rand(n, generator=gen, device="cuda") + 0.5 for n in (4096, 12288))
+    def q8(n, k):
+        return torch.randint(-127, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8)
+
+    groups = [[q8(n, 4096) for n in ns] for ns in ((8192, 4096, 32, 32), (12288, 12288))]
+    down = q8(4096, 12288)
+    scales = [[torch.rand(q.shape[0], 1, generator=gen, device="cuda") * 1e-3 + 1e-4 for q in g]
+              for g in groups + [[down]]]
+    split = split_k(4096, 12288, True)
+    inputs = [(torch.randn(1, rows, 4096, generator=gen, device="cuda").to(torch.bfloat16),
+               torch.randn(1, rows, 12288, generator=gen, device="cuda").to(torch.bfloat16)) for _ in range(3)]
+
+    def chain():
+        _, _, z_rot, norm = add_rms_norm(x, None, w, 1e-6, rotate=256, defer=True)
+        outs = [y for g, s in zip(groups, scales) for y in gemv_group(z_rot, g, scales=s, row_norm=norm)]
+        _, _, z2_rot = add_rms_norm(x2, None, w2, 1e-6, rotate=256)
+        return outs + gemv_group(z2_rot, [down], scales=scales[2], split=split)
+
+    results = {}
+    for early in (False, True):
+        monkeypatch.setattr(gemv_mod, "EARLY_WEIGHTS", early)
+        x.copy_(inputs[0][0])
+        x2.copy_(inputs[0][1])
+        chain()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        results[early] = []
+        for a, b in inputs:
+            x.copy_(a)
+            x2.copy_(b)
+            graph.replay()
+            results[early].append([o.clone() for o in outs])
+        torch.cuda.synchronize()
+    assert len(results[True][0]) == 7
+    for plain, early in zip(results[False], results[True]):
+        for a, b in zip(plain, early):
+            assert torch.equal(a, b)
+    for replay in results[True][1:]:  # new inputs gave new outputs: the chain read what it was given
+        assert not torch.equal(replay[0], results[True][0][0])
