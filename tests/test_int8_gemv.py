@@ -379,6 +379,7 @@ def test_gpu_early_weight_tiles_change_nothing(monkeypatch, rows):
     x = torch.empty(1, rows, 4096, device="cuda", dtype=torch.bfloat16)
     x2 = torch.empty(1, rows, 12288, device="cuda", dtype=torch.bfloat16)
     w, w2 = (torch.rand(n, generator=gen, device="cuda") + 0.5 for n in (4096, 12288))
+
     def q8(n, k):
         return torch.randint(-127, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8)
 
