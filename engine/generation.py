@@ -104,7 +104,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     backend = attention_backend(req.attention, binding.config, req.dtype, req.device)
     runner = build_runner(binding, capacity=req.capacity, dtype=req.dtype, device=req.device,
                           attention=req.attention, mtp=req.mtp_depth > 0, fused=req.fused,
-                          cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill)
+                          cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill, verify_rows=req.mtp_depth + 1)
     sampler = Sampler(req.sampling, seed=req.seed, stop_tokens=req.stop_tokens, min_tokens=req.min_tokens,
                       initial_tokens=req.initial_tokens, device=req.device, mtp_draft=req.mtp_draft)
     stats = GenerationStats(mtp_depth=req.mtp_depth, attention_backend=backend)

@@ -34,12 +34,18 @@ def attention_backend(attention: str, config, dtype: torch.dtype, device) -> str
     return attention
 
 
+def _on_cuda(device) -> bool:
+    """Where "auto" takes the fused kernels and where a ``trial_step`` comes first: CUDA (Triton
+    compiles for the GPU there; a kernel that cannot compile must not break a generation)."""
+    return torch.device(device).type == "cuda"
+
+
 def fused_plan(fused, binding: Qwen35Binding, device, dtype) -> tuple[FusedPlan | None, str | None]:
     """``(plan, None)``: the fused-kernel plan for decode rows; or ``(None, why not)`` (said once on
     CUDA as a warning; Qwen35Error when ``fused=True`` requires it)."""
     if fused is False:
         return None, "fused=False"
-    if fused == "auto" and torch.device(device).type != "cuda":
+    if fused == "auto" and not _on_cuda(device):
         return None, f"the fused kernels need a CUDA device (running on {torch.device(device).type})"
     plan, why = FusedPlan.build(binding, device, dtype)
     if plan is None:
@@ -49,19 +55,74 @@ def fused_plan(fused, binding: Qwen35Binding, device, dtype) -> tuple[FusedPlan 
     return plan, why
 
 
+#: ``trial_key`` -> the outcome of ``trial_step`` (None: ran), once per process.
+_TRIED: dict[tuple, str | None] = {}
+
+
+def trial_key(binding: Qwen35Binding, plan: FusedPlan, device, dtype: torch.dtype, attention: str,
+              rows: tuple[int, ...]) -> tuple:
+    """What decides which kernels a trial step compiles: the device, dtypes, model shape, plan and rows."""
+    cfg = binding.config
+    return (str(torch.device(device)), dtype, attention, cfg.hidden_size, cfg.num_hidden_layers, plan.describe(),
+            rows)
+
+
+def trial_step(binding: Qwen35Binding, plan: FusedPlan, *, device, dtype: torch.dtype, attention: str,
+               rows: tuple[int, ...] = (1,)) -> str | None:
+    """None when the fused decode step, and the output projection, run on throwaway state for
+    each row count in ``rows`` (their kernels compile there), else why not: the exception's type and
+    first line. Once per ``trial_key`` in a process. A fresh cache of ``max(rows) + 1`` slots per
+    row count (on a 9B model about 50 MB of DeltaNet state), freed after; zero inputs; the model's
+    own cache and weights are not touched. CUDA out-of-memory propagates (not a kernel fault)."""
+    key = trial_key(binding, plan, device, dtype, attention, rows)
+    if key in _TRIED:
+        return _TRIED[key]
+    why = None
+    try:
+        with torch.no_grad():
+            for r in rows:
+                cache = ModelCache(binding.config, batch=1, capacity=r + 1, dtype=dtype, device=device, mtp=False)
+                runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
+                x = torch.zeros(1, r, binding.config.hidden_size, dtype=dtype, device=device)
+                runner.forward_logits(x, torch.arange(r, device=device).expand(3, r).contiguous())
+                del runner, cache
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any fault of the fused path is a reason to run without it
+        first = str(exc).strip().splitlines()
+        why = f"{type(exc).__name__}: {first[0] if first else ''}".rstrip(": ")
+    _TRIED[key] = why
+    return why
+
+
 def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, device, attention: str = "auto",
                  mtp: bool = True, fused: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 cache_fill: float | None = None) -> Runner | GraphRunner:
+                 cache_fill: float | None = None, verify_rows: int = 1) -> Runner | GraphRunner:
     """A ``ModelCache`` of ``capacity`` slots (with the MTP layer's K/V when ``mtp``) and the runner
     over it (``.cache``): the fused kernels and CUDA graphs where ``fused`` / ``cuda_graphs``
-    ("auto", True = required, False) and the model allow. Qwen35Error when something required
-    cannot run (the attention backend, fused=True, cuda_graphs=True)."""
+    ("auto", True = required, False) and the model allow. On CUDA the fused path first runs a
+    ``trial_step`` (1 row and ``verify_rows``, the MTP verify's rows); if that fails, "auto" runs
+    the modules instead and says why once. Qwen35Error when something required cannot run (the
+    attention backend, fused=True, cuda_graphs=True)."""
     attention_backend(attention, binding.config, dtype, device)
     cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
                        fill=cache_fill)
     plan, no_plan = fused_plan(fused, binding, device, dtype)
     binding.plain_output = None if plan is None else plan.output
     binding.plain_embedding = None if plan is None else plan.embedding
+    if plan is not None and _on_cuda(device):
+        failed = trial_step(binding, plan, device=device, dtype=dtype, attention=attention,
+                            rows=tuple(sorted({1, verify_rows})))
+        if failed is not None:
+            import triton
+
+            no_plan = (f"the fused kernels failed on a trial step (Triton {triton.__version__}, torch "
+                       f"{torch.__version__}): {failed}")
+            binding.plain_output = binding.plain_embedding = plan = None
+            if fused is True:
+                raise Qwen35Error(f"fused=True but {no_plan}")
+            say_once(log, f"Qwen3.5 decode runs without the fused kernels (slower): {no_plan}; please report "
+                          "this with the versions named")
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
     blocker = graph_blocker(binding, torch.device(device), dtype, attention, plan) if cuda_graphs else None
     if blocker is not None:

@@ -313,3 +313,82 @@ def test_each_product_prefetches_the_next_products_weight(model, rng, monkeypatc
         for (_, asked), (nxt, _) in zip(launched, launched[1:]):
             assert asked is nxt, "a product that did not prefetch the next one's weight"
         assert launched[-1][1] is None
+
+
+class _FailingLaunch:
+    """Stands for a Triton kernel that cannot compile here: every launch raises, and is counted."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches += 1
+            raise RuntimeError("test: this kernel does not compile here\nsecond line")
+        return launch
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """The engine's stack as on a CUDA device ("auto" takes the fused kernels after a trial step),
+    with no trial outcome remembered from other tests."""
+    from qwen35_fast.engine import stack
+
+    monkeypatch.setattr(stack, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(stack, "_TRIED", {})
+    return stack
+
+
+def test_a_fused_path_that_fails_its_trial_step_runs_the_modules_and_says_why(model, rng, caplog, monkeypatch,
+                                                                             on_cuda):
+    """A kernel that does not compile (as Triton 3.4.0's PDL helpers did not) must not break a
+    generation: on a trial step before the prompt, the fused path fails, the generation runs every
+    layer through its modules with the same greedy tokens, one warning names the error and the
+    versions, and the trial is not repeated for the next generation. With fused=True the failure
+    is an error naming it."""
+    from qwen35_fast.kernels import gemv
+
+    model, d = model
+    x = torch.randn(1, 5, d["hidden_size"], generator=rng)
+    want = generate(model, x, do_sample=False, max_length=6, mtp=3, fused=False).tokens
+    failing = _FailingLaunch()
+    monkeypatch.setattr(gemv, "_gemv_kernel", failing)
+    caplog.set_level(logging.INFO, logger="qwen35_fast.engine.stack")
+    got = generate(model, x, do_sample=False, max_length=6, mtp=3, fused="auto")
+    assert got.tokens == want
+    assert failing.launches == 1  # the trial's first product; the generation launched none
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "trial step" in r.getMessage()]
+    assert len(warned) == 1 and "RuntimeError: test: this kernel does not compile here" in warned[0], warned
+    assert "second line" not in warned[0] and "Triton " in warned[0] and "torch " in warned[0]
+    assert any("every layer through its module calls" in r.getMessage() for r in caplog.records)
+    assert generate(model, x, do_sample=False, max_length=6, mtp=3, fused="auto").tokens == want
+    assert failing.launches == 1
+    with pytest.raises(Qwen35Error, match="fused=True but the fused kernels failed on a trial step"):
+        generate(model, x, do_sample=False, max_length=6, mtp=3, fused=True)
+
+
+def test_a_trial_step_runs_once_on_its_own_state(model, monkeypatch, on_cuda):
+    """The trial step (1 row and the MTP verify's rows) runs on a cache of its own: the runner's
+    cache is untouched after it, the fused path is kept, and the next runner of the same shape
+    does not try again."""
+    stack = on_cuda
+    model, _ = model
+    b = bind(model)
+    rows = []
+    real = Runner.forward_logits
+
+    def spy(self, x, pos):
+        rows.append(x.shape[1])
+        return real(self, x, pos)
+
+    monkeypatch.setattr(Runner, "forward_logits", spy)
+    for _ in range(2):
+        runner = stack.build_runner(b, capacity=16, dtype=torch.float32, device="cpu", attention="triton",
+                                    mtp=True, cuda_graphs=False, verify_rows=4)
+        assert runner.fused is not None
+        assert runner.cache.length == 0
+        assert all(int(kv.length) == 0 and not kv.staged for kv in runner.cache.layers
+                   if not isinstance(kv, DeltaNetState))
+        assert all(not st.recurrent.any() and not st.conv.any() for st in runner.cache.layers
+                   if isinstance(st, DeltaNetState))
+    assert rows == [1, 4] and list(stack._TRIED.values()) == [None]
