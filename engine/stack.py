@@ -71,9 +71,10 @@ def trial_step(binding: Qwen35Binding, plan: FusedPlan, *, device, dtype: torch.
                rows: tuple[int, ...] = (1,)) -> str | None:
     """None when the fused decode step, and the output projection, run on throwaway state for
     each row count in ``rows`` (their kernels compile there), else why not: the exception's type and
-    first line. Once per ``trial_key`` in a process. A fresh cache of ``max(rows) + 1`` slots per
-    row count (on a 9B model about 50 MB of DeltaNet state), freed after; zero inputs; the model's
-    own cache and weights are not touched. CUDA out-of-memory propagates (not a kernel fault)."""
+    first line. Once per ``trial_key`` in a process. For each row count r a fresh cache of r + 1
+    slots (on a 9B model about 50 MB of DeltaNet state, and the step stages r - 1 rows of it), freed
+    after; zero inputs; the model's own cache and weights are not touched. CUDA out-of-memory
+    propagates (not a kernel fault)."""
     key = trial_key(binding, plan, device, dtype, attention, rows)
     if key in _TRIED:
         return _TRIED[key]
