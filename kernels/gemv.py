@@ -53,7 +53,7 @@ prefetch loads weights into shared memory ahead of it), so DRAM streams the prod
 through the previous product's drain and the small kernels between. Triton's pipeliner issues
 every load of the tile loop it can in the loop's prologue, x's too, and emits the prologue where
 the loop starts; so the wait moves into the loop's first pass and x's tile loads in a branch
-whose condition depends on a value the wait's own instruction returns (``_early_wait``): a
+whose condition depends on a value the wait's own instruction returns (``pdl.wait_value``): a
 branch's loads are not pipelined, and nothing moves them above the wait they depend on. x then
 loads each pass before the pass waits for its weight tile, so its latency hides behind the
 weights'. x's tiles then take no pipeline buffers: the int8 DeltaNet inputs' pick needs 48 KB
@@ -105,7 +105,7 @@ import triton.language as tl
 from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, say_once, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 from .overrides import EnvOverrides, entries, pow2_between
-from .pdl import enter, launch_args, trigger, wait
+from .pdl import enter, launch_args, trigger, wait, wait_value
 from .row_norm import RowNorm
 
 try:
@@ -227,16 +227,6 @@ def _prefetch_share(P, n_lines, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _early_wait():
-    """``griddepcontrol.wait``, then let the next kernel launch; returns an int32 0 that the caller's
-    loads of the previous kernel's output depend on, so no compiler moves them ahead of the wait."""
-    z = tl.inline_asm_elementwise(asm="griddepcontrol.wait; mov.b32 $0, 0;", constraints="=r", args=[],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    trigger(True)
-    return z
-
-
-@triton.jit
 def _early_x(px, x_mask, k0, k_lo, k_hi, factor, NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps,
              ROW_NORM: tl.constexpr):
     # x's tile at pointers px in a pass of ``_tile``'s loop with EARLY, and the row factor: the first
@@ -245,7 +235,7 @@ def _early_x(px, x_mask, k0, k_lo, k_hi, factor, NRM, offs_m, m_ok, s_nrm, n_nrm
     # instead of issuing it ahead in the loop's prologue, before the wait.
     z = 0
     if k0 == k_lo:
-        z = _early_wait()
+        z = wait_value()
         if ROW_NORM > 0:
             factor = _row_factor(NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps, z, ROW_NORM)
     if k0 + z < k_hi:
@@ -290,7 +280,7 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_
     # into SLICES slices multiplied as one batched dot (the warps own slices, not columns: each
     # reads only its slice of x's padded tile from shared memory), the slices summed after the loop.
     # EARLY (with PDL only): the weight tiles of the pipeline's first stages load before the wait
-    # (``_early_wait``), x's tiles after it.
+    # (``pdl.wait_value``), x's tiles after it.
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

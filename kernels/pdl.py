@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .capabilities import pdl_reason
 
-__all__ = ["enter", "launch_args", "trigger", "wait"]
+__all__ = ["enter", "launch_args", "trigger", "wait", "wait_value"]
 
 
 @triton.jit
@@ -75,6 +75,17 @@ def trigger(PDL: tl.constexpr):
     """Let the next kernel launch (it waits for this one before it reads anything)."""
     if PDL:
         _gdc_launch_dependents()
+
+
+@triton.jit
+def wait_value():
+    """``wait`` then ``trigger`` (overlapped launches only): returns an int32 0 that the wait's own
+    instruction writes, so loads made to depend on it cannot move above the wait (``gemv._tile``'s
+    EARLY, where Triton's pipeliner would otherwise issue them ahead of it)."""
+    z = tl.inline_asm_elementwise(asm="griddepcontrol.wait; mov.b32 $0, 0;", constraints="=r", args=[],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    _gdc_launch_dependents()
+    return z
 
 
 _ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
