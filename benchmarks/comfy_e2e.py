@@ -51,8 +51,7 @@ cache each) and its kernels and host ops (torch profiler), per format.
 ``--variants NAME:VAR=VALUE``: more MTP-off pack rows (``pack@NAME``), each run with environment
 variables a generation reads when it builds its plan (``VARIANT_ENV``: the launch settings of the
 products, ``QWEN35_FAST_GEMV_CONFIG``, of the DeltaNet step, ``QWEN35_FAST_DELTANET_CONFIG``, and
-of the decode attention, ``QWEN35_FAST_ATTENTION_CONFIG``; the L2 prefetch; the GEMV's weight tiles
-before its wait, ``QWEN35_FAST_GEMV_EARLY``; PDL), right after the pack row; with
+of the decode attention, ``QWEN35_FAST_ATTENTION_CONFIG``; the L2 prefetch; PDL), right after the pack row; with
 ``--repeat N`` the rows of each max_length run N times over in that order: settings compared in
 one process, on one loaded model, interleaved; the table then ends with each pack kind's median
 tok/s and its ratio to the pack row's (``compare``).
@@ -467,7 +466,7 @@ def launches(kind: str, env: dict[str, str] | None = None):
 
 #: The settings a generation reads when it builds its plan, so a ``--variants`` row can change them.
 VARIANT_ENV = ("QWEN35_FAST_GEMV_CONFIG", "QWEN35_FAST_DELTANET_CONFIG", "QWEN35_FAST_ATTENTION_CONFIG",
-               "QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_GEMV_EARLY", "QWEN35_FAST_PDL")
+               "QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_PDL")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:

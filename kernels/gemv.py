@@ -46,23 +46,6 @@ kernels issuing the same prefetch themselves after their own loads (4 MB: 275 to
 their few programs cannot issue that many lines quickly, and the product waits for them), or
 through 128 prefetch-only programs of their own (8 MB: 310.5 against 323.4).
 
-``QWEN35_FAST_GEMV_EARLY=1`` (``EARLY_WEIGHTS``, only with overlapped launches): a product's
-programs, scheduled while the kernels before it still run, fill the first ``stages - 1`` weight
-tiles of their pipeline before ``griddepcontrol.wait`` (as CUTLASS's Hopper GEMM with weight
-prefetch loads weights into shared memory ahead of it), so DRAM streams the product's weights
-through the previous product's drain and the small kernels between. Triton's pipeliner issues
-every load of the tile loop it can in the loop's prologue, x's too, and emits the prologue where
-the loop starts; so the wait moves into the loop's first pass and x's tile loads in a branch
-whose condition depends on a value the wait's own instruction returns (``pdl.wait_value``): a
-branch's loads are not pipelined, and nothing moves them above the wait they depend on. x then
-loads each pass before the pass waits for its weight tile, so its latency hides behind the
-weights'. x's tiles then take no pipeline buffers: the int8 DeltaNet inputs' pick needs 48 KB
-instead of 64 (Triton 3.6, sm_90), and one stage more fits in the 64 (the 4096-wide outputs: two
-more). ``tests/test_consumer_gpu.py`` checks what Triton compiles for sm_90 (weights copied
-before the wait, x and the norm's sums loaded after it). Off by default: not yet measured in the
-step (``benchmarks/comfy_e2e.py --variants early:QWEN35_FAST_GEMV_EARLY=1``). A GEMV that loaded
-only its first weight tile into registers before the wait ran 1.3% slower (``kernels/pdl.py``).
-
 What was measured slower on an H200 and removed (``benchmarks/int8_gemv.py``): int8 widened to bf16
 by a longer integer sequence than Triton's own (Triton 3.6 already widens without the conversion
 units: one permute that sets the byte 0x43 above each value, two masks and one packed bf16
@@ -105,7 +88,7 @@ import triton.language as tl
 from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, say_once, triton_device_reason
 from .convrot import hadamard, hadamard_rotate_torch
 from .overrides import EnvOverrides, entries, pow2_between
-from .pdl import enter, launch_args, trigger, wait, wait_value
+from .pdl import enter, launch_args, trigger, wait
 from .row_norm import RowNorm
 
 try:
@@ -121,7 +104,6 @@ __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "h
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
 _PREFETCH_ENV = "QWEN35_FAST_L2_PREFETCH_KB"
-_EARLY_ENV = "QWEN35_FAST_GEMV_EARLY"
 
 
 def _slices_reason() -> str | None:
@@ -148,19 +130,6 @@ def _prefetch_bytes() -> int:
     except ValueError:
         raise ValueError(f"{_PREFETCH_ENV}={kb!r} is not a whole number of KB (0 turns it off)") from None
 
-
-def _early_setting() -> bool:
-    """``_EARLY_ENV`` ("0" or "1", default "0") as a bool; ValueError naming it for anything else."""
-    value = os.environ.get(_EARLY_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{_EARLY_ENV}={value!r}: give 1 (weight tiles load before the wait) or 0")
-    return value == "1"
-
-
-#: Weight tiles of each program's first pipeline stages load before the wait for the previous
-#: kernel, x's after it (``_tile``'s EARLY; only with overlapped launches, ``pdl_reason``). Off
-#: unless ``QWEN35_FAST_GEMV_EARLY=1`` (read again by ``load_overrides``): not yet measured in the step.
-EARLY_WEIGHTS = _early_setting()
 
 #: Bytes of the next product's weight a product asks L2 for (``gemv_group(prefetch=)``): 8 MB measured
 #: best of 4, 8 and 16 (``QWEN35_FAST_L2_PREFETCH_KB`` overrides; 0 turns it off; read again by
@@ -227,33 +196,6 @@ def _prefetch_share(P, n_lines, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _early_x(px, x_mask, k0, k_lo, k_hi, factor, NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps,
-             ROW_NORM: tl.constexpr):
-    # x's tile at pointers px in a pass of ``_tile``'s loop with EARLY, and the row factor: the first
-    # pass waits for the previous kernel (then reads the deferred norm's sums). The load sits in a
-    # branch on a value the wait returns (always taken): Triton's pipeliner leaves it in the pass
-    # instead of issuing it ahead in the loop's prologue, before the wait.
-    z = 0
-    if k0 == k_lo:
-        z = wait_value()
-        if ROW_NORM > 0:
-            factor = _row_factor(NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps, z, ROW_NORM)
-    if k0 + z < k_hi:
-        x = tl.load(px, mask=x_mask, other=0.0)
-    else:
-        x = tl.zeros(px.shape, dtype=px.dtype.element_ty)
-    return x, factor
-
-
-@triton.jit
-def _row_factor(NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps, z, ROW_NORM: tl.constexpr):
-    # rsqrt(mean square + eps) per row from the n_nrm partial sums of squares in NRM (z: 0, after a wait)
-    j = tl.arange(0, ROW_NORM)
-    sq = tl.load(NRM + offs_m[:, None] * s_nrm + j[None, :], mask=m_ok[:, None] & (j < n_nrm + z)[None, :], other=0.0)
-    return tl.rsqrt(tl.sum(sq, 1) / n_mean + eps)
-
-
-@triton.jit
 def _widen(w, x_dtype: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr):
     # int8 or fp8 -> x's dtype, exact (FP8 as in ``_tile``); weights already in x's dtype unchanged.
     if QUANT:
@@ -271,7 +213,7 @@ def _widen(w, x_dtype: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr):
 def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps,
           QUANT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
-          ROW_NORM: tl.constexpr, SLICES: tl.constexpr, EARLY: tl.constexpr):
+          ROW_NORM: tl.constexpr, SLICES: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over the K range [pid_k * K_PER, + K_PER).
     # FP8: 0 (int8 or x's dtype), 1 (e4m3fn bytes), 2 (e5m2 bytes), 3 (e4m3fn bytes, bf16 x, on a
     # GPU: ``_e4m3_bf16``). ROW_NORM (a power of two >= n_nrm): each row's result times
@@ -279,8 +221,6 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_
     # ``fused_ops.add_rms_norm(defer=True)`` left to its consumer. SLICES > 1: each K tile is cut
     # into SLICES slices multiplied as one batched dot (the warps own slices, not columns: each
     # reads only its slice of x's padded tile from shared memory), the slices summed after the loop.
-    # EARLY (with PDL only): the weight tiles of the pipeline's first stages load before the wait
-    # (``pdl.wait_value``), x's tiles after it.
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -288,12 +228,12 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_
     m_ok = offs_m < M
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(k_lo + K_PER, K)
-    factor = tl.full((BLOCK_M,), 1.0, tl.float32)
-    if not EARLY:
-        wait(PDL)  # x is the previous kernel's output
-        trigger(PDL)  # after the wait: the next product's programs queue behind this one, never ahead
-        if ROW_NORM > 0:  # loaded before the weights stream, so its latency is not added after them
-            factor = _row_factor(NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps, 0, ROW_NORM)
+    wait(PDL)  # x is the previous kernel's output
+    trigger(PDL)  # after the wait: the next product's programs queue behind this one, never ahead
+    if ROW_NORM > 0:  # loaded before the weights stream, so its latency is not added after them
+        j = tl.arange(0, ROW_NORM)
+        sq = tl.load(NRM + offs_m[:, None] * s_nrm + j[None, :], mask=m_ok[:, None] & (j < n_nrm)[None, :], other=0.0)
+        factor = tl.rsqrt(tl.sum(sq, 1) / n_mean + eps)
     if SLICES == 1:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -310,11 +250,7 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_
                             eviction_policy="evict_first")
             else:
                 w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=w_mask, other=0)
-            if EARLY:
-                x, factor = _early_x(X + offs_m[:, None] * sx_m + offs_k[None, :], x_mask, k0, k_lo, k_hi, factor,
-                                     NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps, ROW_NORM)
-            else:
-                x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
+            x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
             w = _widen(w, x.dtype, QUANT, FP8)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -337,19 +273,13 @@ def _tile(X, W, S, Y, M, N, K, K_PER, sx_m, sw_n, ss_n, sy_m, sy_k, pid, NRM, n_
                             eviction_policy="evict_first")
             else:
                 w = tl.load(W + offs_n[None, :, None] * sw_n + offs_k[:, None, :], mask=w_mask, other=0)
-            if EARLY:
-                x, factor = _early_x(X + offs_m[None, :, None] * sx_m + offs_k[:, None, :], x_mask, k0, k_lo, k_hi,
-                                     factor, NRM, offs_m, m_ok, s_nrm, n_nrm, n_mean, eps, ROW_NORM)
-            else:
-                x = tl.load(X + offs_m[None, :, None] * sx_m + offs_k[:, None, :], mask=x_mask, other=0.0)
+            x = tl.load(X + offs_m[None, :, None] * sx_m + offs_k[:, None, :], mask=x_mask, other=0.0)
             w = _widen(w, x.dtype, QUANT, FP8)
             if IEEE:
                 acc3 += tl.dot(x, tl.trans(w, 0, 2, 1), input_precision="ieee")
             else:
                 acc3 += tl.dot(x, tl.trans(w, 0, 2, 1))
         acc = tl.sum(acc3, 0)
-    if EARLY:  # returns at once: the loop's first pass waited (kept so no path stores before a wait)
-        wait(PDL)
     if QUANT:  # per-row scales (ss_n = 1) or one per tensor (ss_n = 0)
         acc *= tl.load(S + offs_n * ss_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROW_NORM > 0:
@@ -365,23 +295,23 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
                  COUNT: tl.constexpr, QUANT: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  PDL: tl.constexpr, FP8: tl.constexpr, ROW_NORM: tl.constexpr, PREFETCH: tl.constexpr,
-                 SLICES: tl.constexpr, EARLY: tl.constexpr):
+                 SLICES: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (E* are cumulative block counts). A
     # tile loop per weight, each with buffers of its own: one shared loop measured slower in the
     # decode step (module docstring).
     pid = tl.program_id(0)
     if pid < E0:
         _tile(X, W0, S0, Y0, M, N0, K, K_PER, sx_m, sw0, ss0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES, EARLY)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     elif COUNT > 1 and pid < E1:
         _tile(X, W1, S1, Y1, M, N1, K, K_PER, sx_m, sw1, ss1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES, EARLY)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     elif COUNT > 2 and pid < E2:
         _tile(X, W2, S2, Y2, M, N2, K, K_PER, sx_m, sw2, ss2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES, EARLY)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     elif COUNT > 3:
         _tile(X, W3, S3, Y3, M, N3, K, K_PER, sx_m, sw3, ss3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean, eps,
-              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES, EARLY)
+              QUANT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PDL, FP8, ROW_NORM, SLICES)
     if PREFETCH:  # after this program's product: the next product's first weight lines into L2
         _prefetch_share(PF, n_pf, 128)
 
@@ -425,14 +355,13 @@ _OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
 
 
 def load_overrides() -> dict:
-    """Read ``CONFIG_ENV`` (and ``QWEN35_FAST_L2_PREFETCH_KB``, ``QWEN35_FAST_GEMV_EARLY``) again;
-    ``FusedPlan.build`` calls it for each generation, so launches captured after it use the new
-    values. Returns the overrides in force; a ValueError (``parse_overrides``, or a malformed
-    value of the other two) leaves the previous settings in force."""
-    global PREFETCH_BYTES, EARLY_WEIGHTS
-    prefetch, early = _prefetch_bytes(), _early_setting()  # all read before any is set
+    """Read ``CONFIG_ENV`` (and ``QWEN35_FAST_L2_PREFETCH_KB``) again; ``FusedPlan.build`` calls it
+    for each generation, so launches captured after it use the new values. Returns the overrides in
+    force; ValueError (``parse_overrides``) leaves the previous ones in force."""
+    global PREFETCH_BYTES
+    prefetch = _prefetch_bytes()  # both read before either is set
     overrides = _OVERRIDES.load()
-    PREFETCH_BYTES, EARLY_WEIGHTS = prefetch, early
+    PREFETCH_BYTES = prefetch
     return overrides
 
 
@@ -623,7 +552,6 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     ws, ys, ss = ws + [ws[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
     tried, why = stages, None
-    pdl = launch_args(x.device)
     while True:
         try:
             _gemv_kernel[(total, parts)](
@@ -632,8 +560,7 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
                 *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,
                 COUNT=len(weights), QUANT=quant, IEEE=x.dtype == torch.float32, BLOCK_M=16,
                 BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
-                FP8=fp8, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, SLICES=slices, EARLY=EARLY_WEIGHTS and pdl["PDL"],
-                **pdl,
+                FP8=fp8, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, SLICES=slices, **launch_args(x.device),
             )
             break
         except OutOfResources as exc:  # raised before anything is enqueued: nothing half-done

@@ -14,15 +14,17 @@ The protocol every kernel compiled with ``PDL=True`` follows:
 
 * small kernels: ``enter(PDL)`` first (let the next kernel launch, then wait);
 * the GEMV: wait, then let the next kernel launch (so a product's programs never queue ahead of
-  the one streaming); its weights stream evict-first. With ``QWEN35_FAST_GEMV_EARLY=1`` the wait
-  is in its tile loop's first pass, after the pipeline's first weight tiles were asked for and
-  before anything the previous kernels wrote is read (``kernels/gemv.py``).
+  the one streaming); its weights stream evict-first.
 
 Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-plain): int8 +3.1%,
 bf16 +0.8% in the latest full run; int8 +4% before the decode loop ran ahead of the host. A GEMV that
 also asked L2 for its first weight lines before its wait gained nothing (1 KB per row) or lost 10%
 (whole rows), and one that loaded its first weight tile into registers before the wait lost 1.3%
-(both removed), though pure-read kernels gain 3% that way (``benchmarks/read_chain.py``). What
+(both removed), though pure-read kernels gain 3% that way (``benchmarks/read_chain.py``). One that
+filled its whole pipeline's first weight tiles into shared memory before the wait, with x loaded
+after it in each pass of the tile loop (so Triton's pipeliner could not issue x ahead of the wait),
+ran the 9B step 16% slower in int8 (287.3 against 340.3 tok/s) and 22% in bf16 (removed;
+``benchmarks/README.md``). What
 does gain: the product before asking L2 for the next one's weight once its own result is stored
 (``gemv_group(prefetch=)``).
 
@@ -38,7 +40,7 @@ import triton.language as tl
 
 from .capabilities import pdl_reason
 
-__all__ = ["enter", "launch_args", "trigger", "wait", "wait_value"]
+__all__ = ["enter", "launch_args", "trigger", "wait"]
 
 
 @triton.jit
@@ -75,17 +77,6 @@ def trigger(PDL: tl.constexpr):
     """Let the next kernel launch (it waits for this one before it reads anything)."""
     if PDL:
         _gdc_launch_dependents()
-
-
-@triton.jit
-def wait_value():
-    """``wait`` then ``trigger`` (overlapped launches only): returns an int32 0 that the wait's own
-    instruction writes, so loads made to depend on it cannot move above the wait (``gemv._tile``'s
-    EARLY, where Triton's pipeliner would otherwise issue them ahead of it)."""
-    z = tl.inline_asm_elementwise(asm="griddepcontrol.wait; mov.b32 $0, 0;", constraints="=r", args=[],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    _gdc_launch_dependents()
-    return z
 
 
 _ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}

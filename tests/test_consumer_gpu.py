@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import zipfile
@@ -50,9 +49,8 @@ OLD_TRITON = "3.2.0"
 PDL_TRITON = "3.4.0"
 
 
-def _run_step(spec: dict, pythonpath: str | None = None, env_extra: dict | None = None) -> subprocess.Popen:
+def _run_step(spec: dict, pythonpath: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(env_extra or {})
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return subprocess.Popen([sys.executable, str(STEP), json.dumps(spec)], env=env, text=True,
@@ -189,53 +187,3 @@ def test_torch_2_8s_triton_compiles_the_step_with_overlapped_launches():
     assert result["triton"] == PDL_TRITON and result["pdl"] is None, result["pdl"]
     _assert_check_live(result)
     _assert_step_fits(result, 120, CONSUMER)
-
-
-@pytest.fixture(scope="module")
-def early_kernels(tmp_path_factory) -> dict[str, list[tuple[str, str]]]:
-    """The step's int8 GEMV kernels compiled for an H100 / H200 (programmatic dependent launch) with
-    ``QWEN35_FAST_GEMV_EARLY`` 1 and 0, each process with a Triton cache of its own:
-    ``{"1": [(ptx, ttgir), ...], "0": [...]}``."""
-    procs, dirs = {}, {}
-    for early in ("1", "0"):
-        dirs[early] = tmp_path_factory.mktemp(f"triton-cache-early{early}")
-        procs[early] = _run_step({"cc": 90, "shared": HOPPER, "cells": [["bfloat16", "int8"]], "rows": [1]},
-                                 env_extra={"QWEN35_FAST_GEMV_EARLY": early, "TRITON_CACHE_DIR": str(dirs[early])})
-    out = {}
-    for early, proc in procs.items():
-        result = _result(f"QWEN35_FAST_GEMV_EARLY={early}", proc)
-        _assert_check_live(result)
-        _assert_step_fits(result, 90, HOPPER)
-        out[early] = [(p.read_text(), p.with_suffix(".ttgir").read_text())
-                      for p in sorted(dirs[early].glob("*/_gemv_kernel.ptx"))]
-    return out
-
-
-def _before_first_wait(ptx: str) -> tuple[int, int]:
-    """(cp.async copies, ld.global loads) in the PTX before its first ``griddepcontrol.wait``."""
-    lines = ptx.splitlines()
-    first = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    head = [line.strip() for line in lines[:first]]
-    copies = sum(1 for line in head if re.match(r"(@%p\d+\s+)?cp\.async\.c[ga]\.shared\.global", line))
-    loads = sum(1 for line in head if re.match(r"(@%p\d+\s+)?ld\.global", line))
-    return copies, loads
-
-
-def test_early_weight_tiles_load_before_the_wait_and_the_previous_kernels_output_after(early_kernels):
-    """``QWEN35_FAST_GEMV_EARLY=1``: a GEMV's programs, scheduled while the kernels before them
-    still run, fill the first stages of their weight pipeline before ``griddepcontrol.wait``. Only
-    the weights may load there: x and the deferred norm's sums are the previous kernels' output.
-    Checked in what Triton compiles for sm_90 (int8 weights, bf16 x, every GEMV of the 9B step): the
-    pipeline's asynchronous copies are all of int8 weights, some come before the first wait, and
-    every plain global load (x, the norm's sums, the scales) comes after it. Without the setting the
-    first wait comes before any copy or load, so the check tells the two apart."""
-    assert len(early_kernels["1"]) >= 5 and len(early_kernels["0"]) >= 5, {k: len(v) for k, v in early_kernels.items()}
-    for ptx, ttgir in early_kernels["1"]:
-        copies = [line for line in ttgir.splitlines() if "async_copy_global_to_local" in line]
-        assert copies and all("!tt.ptr<i8>" in line for line in copies), \
-            "an asynchronous copy of something other than the int8 weight: x would load ahead of the wait"
-        before, loads = _before_first_wait(ptx)
-        assert before > 0, "no weight tile loads before the wait"
-        assert loads == 0, f"{loads} global loads before the wait"
-    for ptx, _ in early_kernels["0"]:
-        assert _before_first_wait(ptx) == (0, 0)

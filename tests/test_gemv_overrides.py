@@ -100,45 +100,6 @@ def _picked(n, k):
     return bn, min(bk, 1 << (k - 1).bit_length()), warps, stages
 
 
-def test_early_weight_tiles_setting_is_read_again_and_refused_when_malformed(monkeypatch):
-    """``QWEN35_FAST_GEMV_EARLY``: 1 or 0 (unset: 0), read again by ``load_overrides``; anything
-    else is refused naming the variable and leaves the setting in force, as a malformed
-    ``QWEN35_FAST_GEMV_CONFIG`` leaves the overrides."""
-    early = "QWEN35_FAST_GEMV_EARLY"
-    try:
-        monkeypatch.delenv(early, raising=False)
-        gemv.load_overrides()
-        assert gemv.EARLY_WEIGHTS is False
-        monkeypatch.setenv(early, "1")
-        gemv.load_overrides()
-        assert gemv.EARLY_WEIGHTS is True
-        for bad in ("yes", "2", ""):
-            monkeypatch.setenv(early, bad)
-            with pytest.raises(ValueError, match=f"{early}={bad!r}: give 1"):
-                gemv.load_overrides()
-            assert gemv.EARLY_WEIGHTS is True
-        monkeypatch.setenv(early, " 0 ")
-        gemv.load_overrides()
-        assert gemv.EARLY_WEIGHTS is False
-    finally:
-        monkeypatch.delenv(early, raising=False)
-        gemv.load_overrides()
-
-
-@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
-def test_early_weight_tiles_only_with_overlapped_launches(rng, monkeypatch):
-    """The weight tiles load before the wait only where launches overlap (``pdl_reason``): here,
-    under the interpreter, a product asked for it launches as it would without, same result."""
-    monkeypatch.setattr(gemv, "EARLY_WEIGHTS", True)
-    spy = _Spy(gemv._gemv_kernel, lambda grid, args, kw: (kw["EARLY"], kw["PDL"]))
-    monkeypatch.setattr(gemv, "_gemv_kernel", spy)
-    x = torch.randn(1, 2, 64, generator=rng)
-    w = torch.randn(48, 64, generator=rng)
-    (y,) = gemv.gemv_group(x, [w])
-    assert spy.launches == [(False, False)]
-    assert torch.allclose(y, x @ w.T, rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
 def test_plan_launches_with_the_overrides(tiny, rng, monkeypatch):
     model, d = tiny
