@@ -16,8 +16,9 @@ The protocol every kernel compiled with ``PDL=True`` follows:
 * the GEMV: wait, then let the next kernel launch (so a product's programs never queue ahead of
   the one streaming); its weights stream evict-first.
 
-Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-plain): int8 +3.1%,
-bf16 +0.8% in the latest full run; int8 +4% before the decode loop ran ahead of the host. A GEMV that
+Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-plain): int8 +3.7%,
+bf16 -1.0% in the latest full run (+3.1% and +0.8% in the run before); int8 +4% before the decode
+loop ran ahead of the host. A GEMV that
 also asked L2 for its first weight lines before its wait gained nothing (1 KB per row) or lost 10%
 (whole rows), and one that loaded its first weight tile into registers before the wait lost 1.3%
 (both removed), though pure-read kernels gain 3% that way (``benchmarks/read_chain.py``). One that
