@@ -51,9 +51,9 @@ cache each) and its kernels and host ops (torch profiler), per format.
 ``--variants NAME:VAR=VALUE``: more MTP-off pack rows (``pack@NAME``), each run with environment
 variables a generation reads when it builds its plan (``VARIANT_ENV``: the launch settings of the
 products, ``QWEN35_FAST_GEMV_CONFIG``, of the DeltaNet step, ``QWEN35_FAST_DELTANET_CONFIG``, and
-of the decode attention, ``QWEN35_FAST_ATTENTION_CONFIG``; the L2 prefetch; PDL), right after the pack row; with
-``--repeat N`` the rows of each max_length run N times over in that order: settings compared in
-one process, on one loaded model, interleaved; the table then ends with each pack kind's median
+of the decode attention, ``QWEN35_FAST_ATTENTION_CONFIG``; the L2 prefetch; PDL), right after the
+pack row; with ``--repeat N`` the rows of each max_length run N times over in that order:
+settings compared in one process, on one loaded model, interleaved; the table then ends with each pack kind's median
 tok/s and its ratio to the pack row's (``compare``).
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
