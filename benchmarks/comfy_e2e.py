@@ -2,7 +2,8 @@
 
 What a user runs: a Qwen3.5-9B-shaped checkpoint in ComfyUI's own formats, loaded with
 ``comfy.sd.load_clip`` (through the pack's loader node function, which calls it and grafts the
-file's MTP head), then generated from in one process by
+file's MTP head; ``--loader core``: directly, as core 'Load CLIP' does, which with ``--dynamic`` gives
+the DynamicVRAM CLIP the patch reloads resident), then generated from in one process by
 
 - ``core``: the unpatched CLIP's ``generate`` (core ComfyUI's decode, capacity-bound);
 - ``pack``: the CLIP returned by the pack's patch (``patch_clip``, what the patch node outputs),
@@ -269,8 +270,14 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     from qwen35_fast.patches.clip_patch import patch_clip
 
     floor_ms = decode_bytes(path) / bw * 1e3 if bw else 0.0
-    loaded = load_qwen35_clip(str(path), None)
-    clip = loaded.clip
+    if args.loader == "core":  # core 'Load CLIP': with --dynamic, the streamed CLIP the patch reloads
+        loaded = None
+        clip = comfy.sd.load_clip(ckpt_paths=[str(path)], clip_type=comfy.sd.CLIPType.QWEN_IMAGE)
+    else:
+        loaded = load_qwen35_clip(str(path), None)
+        clip = loaded.clip
+    dynamic = getattr(clip.patcher, "is_dynamic", lambda: False)()
+    print(f"# {fmt}: loaded by the {args.loader} loader, DynamicVRAM {'on' if dynamic else 'off'}", flush=True)
     tokens = prompt_tokens(clip, args.prompt)
     patched = patch_clip(clip, mtp="off")
     rows = []
@@ -577,6 +584,10 @@ def main() -> None:
     ap.add_argument("--size", choices=["9b", "0.8b"], default="9b")
     ap.add_argument("--dir", default="/dev/shm/qwen35_comfy_e2e")
     ap.add_argument("--dynamic", action="store_true", help="load through DynamicVRAM (needs comfy-aimdo)")
+    ap.add_argument("--loader", choices=["pack", "core"], default="pack",
+                    help="pack: the pack's loader (resident, the file's MTP head grafted); core: core "
+                         "load_clip, as core 'Load CLIP' (with --dynamic: streamed, and the patch reloads it; "
+                         "no grafted MTP head, so no MTP kinds)")
     ap.add_argument("--profile", action="store_true",
                     help="also list the kernels of an eager 1-row decode step per format (torch profiler)")
     ap.add_argument("--profile-prefill", action="store_true",
@@ -599,6 +610,9 @@ def main() -> None:
         return
     if not args.comfyui:
         ap.error("--comfyui is required")
+    mtp_kinds = sorted({"forced3", "mtp-sampled"} & set(args.kinds))
+    if args.loader == "core" and mtp_kinds:
+        ap.error(f"--loader core loads no MTP head: drop {' '.join(mtp_kinds)} from --kinds")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     comfy = setup_comfyui(args.comfyui, args.dynamic)
     clock = TokenClock(comfy.utils)
@@ -607,7 +621,7 @@ def main() -> None:
     bw = copy_bandwidth() if torch.cuda.is_available() else 0.0
     run = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "comfyui": _comfy_version(args.comfyui), "copy_bw_Bps": bw,
-           "prompt": args.prompt, "size": args.size, "dynamic": args.dynamic, "rows": []}
+           "prompt": args.prompt, "size": args.size, "dynamic": args.dynamic, "loader": args.loader, "rows": []}
     for fmt in args.formats:
         path = Path(args.dir) / f"qwen35_{args.size}_{fmt}.safetensors"
         if not path.exists():

@@ -18,7 +18,9 @@ class Qwen35LengthAwarePatch(io.ComfyNode):
             search_aliases=["qwen3.5", "mtp", "fast generate", "text generate"],
             description="Returns a copy of the CLIP whose Qwen3.5 text generation costs follow the "
                         "filled length, not max_length, and uses MTP when a head is loaded. Core "
-                        "'Generate Text' and any node calling clip.generate benefit.",
+                        "'Generate Text' and any node calling clip.generate benefit. A CLIP loaded with "
+                        "DynamicVRAM is reloaded once without it where it fits the GPU, so the fast "
+                        "kernels can read its weights.",
             inputs=[
                 io.Clip.Input("clip", tooltip="A Qwen3.5 CLIP (core 'Load CLIP' or 'Load Qwen3.5 CLIP (MTP)')."),
                 io.Combo.Input("mtp", options=list(MTP_CHOICES), default="auto",

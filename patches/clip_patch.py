@@ -2,8 +2,10 @@
 
 ``patch_clip`` clones the CLIP and adds object patches on the clone's ModelPatcher (ComfyUI applies
 them while that clone is loaded and restores the originals when another patcher of the same model
-is loaded), so the input CLIP and every other clone keep core behaviour. Entry points, with the
-argument sets the ComfyUI versions pass (0.29.0; the FixedKVBias and FixedKVCache generations):
+is loaded), so the input CLIP and every other clone keep core behaviour. A DynamicVRAM CLIP is
+cloned from ComfyUI's resident reload of it (``comfy_weights.resident_clip``) where it fits the
+GPU. Entry points, with the argument sets the ComfyUI versions pass (0.29.0; the FixedKVBias and
+FixedKVCache generations):
 
 * ``<clip_attr>.generate(tokens, ...)`` (``SDClipModel.generate``, reached by ``CLIP.generate`` and
   therefore by core ``TextGenerate``; newer versions add ``mtp=``): builds the embeddings AND the
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import comfy_bridge as bridge
+from . import comfy_weights
 
 log = logging.getLogger(__name__)
 
@@ -175,17 +178,22 @@ def _refuse_unknown(entry: str, kwargs: Mapping) -> None:
 def patch_clip(clip, *, mtp="auto", attention="auto"):
     """Return a clone of ``clip`` whose Qwen3.5 ``generate`` runs on the engine; ``clip`` is untouched.
 
-    Raises ``Qwen35Unsupported`` (a ValueError) before cloning when ``clip`` is not Qwen3.5 or its
-    internals are unknown, and ValueError for a bad option.
+    For a CLIP ComfyUI loaded with DynamicVRAM (weights streamed in per call) the clone is of ComfyUI's
+    resident reload of it, made once per model (``comfy_weights.resident_clip``), where the model fits
+    whole on the GPU. Raises ``Qwen35Unsupported`` (a ValueError) before cloning when ``clip`` is not
+    Qwen3.5 or its internals are unknown, and ValueError for a bad option.
     """
     settings = PatchSettings(mtp, attention).checked()
-    target = bridge.find_qwen35(clip)
+    bridge.find_qwen35(clip)  # nothing is reloaded for a CLIP that is not Qwen3.5
+    source, streamed = comfy_weights.resident_clip(clip)
+    target = bridge.find_qwen35(source)
+    target.streamed = streamed
     for obj, name in ((target.clip_model, "generate"), (target.transformer, "generate")):
         if not callable(getattr(obj, name, None)):
             raise bridge.Qwen35Unsupported(
                 f"{type(obj).__name__} has no {name}(): this ComfyUI version cannot generate text with "
                 "Qwen3.5; update ComfyUI.")
-    patched = clip.clone()
+    patched = clip.clone() if source is clip else source  # resident_clip returns a fresh clone
     if not hasattr(patched, "patcher") or not hasattr(patched.patcher, "add_object_patch"):
         raise bridge.Qwen35Unsupported("This ComfyUI's CLIP patcher has no add_object_patch(); update ComfyUI.")
     tokenizer = getattr(clip, "tokenizer", None)

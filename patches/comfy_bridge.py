@@ -41,7 +41,8 @@ class Qwen35Target:
     ``clip_attr``: attribute of ``clip.cond_stage_model`` holding the ``SDClipModel`` (e.g.
     ``"qwen35_9b"``); ``clip_model``: that ``SDClipModel``; ``transformer``: its ``Qwen35``
     (``BaseGenerate``) instance; ``model``: the decoder module tree (``transformer.model``);
-    ``patcher``: the CLIP's ModelPatcher (None when unknown).
+    ``patcher``: the CLIP's ModelPatcher (None when unknown); ``streamed``: why ComfyUI still streams
+    its weights in per call (DynamicVRAM) after ``comfy_weights.resident_clip``, None otherwise.
     """
 
     clip_attr: str
@@ -49,6 +50,7 @@ class Qwen35Target:
     transformer: Any
     model: Any
     patcher: Any = None
+    streamed: str | None = None
 
     @property
     def generate_path(self) -> str:
@@ -333,8 +335,9 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
 
     Arguments follow core ``BaseGenerate.generate``; ``seed=None`` (core's greedy call) means 0.
     The model is first made resident where ComfyUI left it partly loaded and VRAM allows
-    (``comfy_weights.make_resident``), and its weights are read in place by the decode kernels
-    where they can be (``comfy_weights.Resolver``). ``mtp_draft``: see ``engine.generate``
+    (``comfy_weights.make_resident``; a DynamicVRAM CLIP is made resident by ``patch_clip``), and
+    its weights are read in place by the decode kernels where they can be
+    (``comfy_weights.Resolver``). ``mtp_draft``: see ``engine.generate``
     (benchmarks). Returns the token ids as a ``TokenList`` carrying the engine stats.
     """
     check_max_length(max_length)
@@ -342,7 +345,7 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
         stop_tokens = stop_tokens_of(target)
     if execution_dtype is None:
         execution_dtype = default_execution_dtype(embeds.device)
-    comfy_weights.make_resident(target.patcher)
+    comfy_weights.make_resident(target.patcher, target.streamed)
     progress = Progress(max_length, decode=decode)
     result = generate(
         target.transformer, embeds, do_sample=bool(do_sample), max_length=max_length,

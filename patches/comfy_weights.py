@@ -57,17 +57,93 @@ def per_call_work(module) -> str | None:
     return None
 
 
-def make_resident(patcher) -> str | None:
+#: Attribute of a DynamicVRAM CLIP's model holding the classic ModelPatcher ``resident_clip`` reloaded
+#: for it (one per model, shared by every clone after; it dies with the model).
+RESIDENT_ATTR = "qwen35_fast_resident"
+
+
+def is_dynamic(patcher) -> bool:
+    """True for a ModelPatcher that streams its weights in per call (ComfyUI's DynamicVRAM)."""
+    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+
+
+def _whole_fit(patcher) -> str | None:
+    """Why ``patcher``'s model cannot be loaded whole on its GPU even with every other model unloaded
+    (None when it can): its size plus a tenth must fit the device's memory less ComfyUI's minimum
+    inference memory."""
+    import comfy.model_management as mm
+
+    gb = 2**30
+    size, total = patcher.model_size(), mm.get_total_memory(patcher.load_device)
+    keep = mm.minimum_inference_memory()
+    if size * 1.1 + keep <= total:
+        return None
+    return (f"the model ({size / gb:.1f} GB) does not fit whole on this GPU ({total / gb:.1f} GB, "
+            f"{keep / gb:.1f} GB of it kept for inference); a smaller file (int8_convrot) or a GPU with more "
+            "memory would")
+
+
+def resident_clip(clip):
+    """``clip`` in a form whose weights the decode kernels can read in place: ``(clip, None)`` for a
+    CLIP that is not streamed per call; for one ComfyUI loaded with DynamicVRAM (``ModelPatcherDynamic``:
+    weights on the CPU, streamed in per call), ``(resident, None)``, a clone of ``clip`` whose patcher is
+    a classic ``ModelPatcher`` over the same files reloaded by ComfyUI itself (``ModelPatcher.clone(
+    disable_dynamic=True)``, which calls the loader's ``cached_patcher_init`` with ``disable_dynamic=True``,
+    as core does for hooks), carrying ``clip``'s patches; or ``(clip, why)`` when it stays streamed (no
+    ``cached_patcher_init``, the model does not fit whole on the GPU, or the reload failed).
+
+    The reload happens once per model: its ModelPatcher is kept on the DynamicVRAM model
+    (``RESIDENT_ATTR``) and every later clone is made over the same weights (``model_override``), with
+    that patcher as its parent, so ComfyUI's model management loads, offloads and frees it like any
+    model it loaded. The DynamicVRAM model keeps only its file mapping and whatever VRAM its pages still
+    hold, which ComfyUI frees first when it loads the resident one."""
+    patcher = getattr(clip, "patcher", None)
+    if not is_dynamic(patcher):
+        return clip, None
+    if getattr(patcher, "cached_patcher_init", None) is None:
+        return clip, ("ComfyUI has no way to reload it without DynamicVRAM (its loader set no "
+                      "cached_patcher_init): load it with core 'Load CLIP' or 'Load Qwen3.5 CLIP (MTP)', or start "
+                      "ComfyUI with --disable-dynamic-vram")
+    why = _whole_fit(patcher)
+    if why is not None:
+        return clip, why
+    model = patcher.model
+    owner = getattr(model, RESIDENT_ATTR, None)
+    try:
+        if owner is None:
+            gb = 2**30
+            log.info("Qwen3.5: reloading the model without DynamicVRAM (%.1f GB, once) so the decode kernels "
+                     "read its weights in place", patcher.model_size() / gb)
+            owner = patcher.clone(disable_dynamic=True)
+            owner.parent = None  # the owner of these weights, as a loader's patcher is
+        resident = clip.clone()
+        resident.patcher = patcher.clone(disable_dynamic=True, model_override=owner.get_clone_model_override())
+    except Exception as exc:  # noqa: BLE001 - any loader fault leaves the streamed CLIP, said once
+        first = str(exc).strip().splitlines()
+        return clip, (f"ComfyUI could not reload it without DynamicVRAM ({type(exc).__name__}: "
+                      f"{first[0] if first else ''}): start ComfyUI with --disable-dynamic-vram")
+    # A clone that dies hands its place in ComfyUI's loaded models to its parent: the patcher that
+    # owns the same weights, not the DynamicVRAM one (whose model is another).
+    resident.patcher.parent = owner
+    resident.cond_stage_model = resident.patcher.model  # CLIP.clone(disable_dynamic=True) keeps the old one
+    setattr(model, RESIDENT_ATTR, owner)
+    return resident, None
+
+
+def make_resident(patcher, streamed: str | None = None) -> str | None:
     """Load a partly loaded (lowvram) CLIP fully through ComfyUI's own model management when the
     free VRAM allows, so the decode kernels can read every weight in place. Returns None when the
     model is (now) fully loaded or not ComfyUI's, else why it stays partly offloaded (the module
-    path then runs for the offloaded layers, and the engine's log line names them)."""
+    path then runs for the offloaded layers, and the engine's log line names them). A DynamicVRAM
+    patcher (one ``resident_clip`` left streamed, ``streamed`` saying why) is not loaded: the reason
+    is said once."""
     if patcher is None or not hasattr(patcher, "loaded_size") or not hasattr(patcher, "model_size"):
         return None
-    if getattr(patcher, "is_dynamic", lambda: False)():
-        why = ("ComfyUI loaded this model with DynamicVRAM (weights streamed in per call, so the decode kernels "
-               "cannot read them in place): load it with 'Load Qwen3.5 CLIP (MTP)', which loads it resident, "
-               "or start ComfyUI with --disable-dynamic-vram")
+    if is_dynamic(patcher):
+        why = ("ComfyUI streams this model's weights in per call (DynamicVRAM), so every layer runs through "
+               "its module call: " + (streamed or "connect the CLIP through the 'Length-aware decode (Qwen3.5)' "
+                                                   "node, which loads it resident, or start ComfyUI with "
+                                                   "--disable-dynamic-vram"))
         say_once(log, f"Qwen3.5: {why}")
         return why
     import comfy.model_management as mm

@@ -143,7 +143,9 @@ def test_make_resident(fake_mm, caplog):
     why = make_resident(FakePatcher(3 * gb, 9 * gb))
     assert not fake_mm.calls and "only 3.0 of 9.0 GB" in why
     why = make_resident(FakePatcher(0, 9 * gb, dynamic=True))
-    assert "DynamicVRAM" in why and "--disable-dynamic-vram" in why and "Load Qwen3.5 CLIP (MTP)" in why
+    assert "DynamicVRAM" in why and "--disable-dynamic-vram" in why and "Length-aware decode (Qwen3.5)" in why
+    why = make_resident(FakePatcher(0, 9 * gb, dynamic=True), "it does not fit")
+    assert "DynamicVRAM" in why and why.endswith("it does not fit")
     assert not fake_mm.calls
     assert comfy_weights.per_call_work(dense_linear()) is None
 
@@ -162,3 +164,77 @@ def test_norm_scale_rounds_as_each_norm_class_does():
     assert torch.equal(Resolver().norm_scale(engine, BF16), exact)
     assert torch.equal(Resolver().norm_scale(comfy_norm, BF16), (w.to(BF16) + 1.0).float())
     assert not torch.equal(Resolver().norm_scale(comfy_norm, BF16), exact)  # bf16 rounding of 1 + w
+
+
+class FakeClip:
+    """A CLIP as ``resident_clip`` sees it: ``clone()`` and a patcher."""
+
+    def __init__(self, patcher):
+        self.patcher, self.cond_stage_model = patcher, getattr(patcher, "model", None)
+
+    def clone(self):
+        return FakeClip(self.patcher)
+
+
+class FakeDynamicPatcher:
+    """A DynamicVRAM patcher: ``clone(disable_dynamic=True)`` reloads (a new model) unless given a
+    ``model_override``; ``fail`` makes the reload raise."""
+
+    def __init__(self, size, init=True, fail=False):
+        self.model, self.size, self.fail = torch.nn.Module(), size, fail
+        self.load_device, self.parent, self.reloads = torch.device("cuda"), None, 0
+        self.cached_patcher_init = (object, ()) if init else None
+
+    def is_dynamic(self):
+        return True
+
+    def model_size(self):
+        return self.size
+
+    def clone(self, disable_dynamic=False, model_override=None):
+        assert disable_dynamic
+        if model_override is None:
+            if self.fail:
+                raise RuntimeError("the file is gone\nsecond line")
+            self.reloads += 1
+            model_override = (torch.nn.Module(), ())
+        n = FakePatcher(0, self.size)
+        n.model, n.parent = model_override[0], self
+        n.get_clone_model_override = lambda: (n.model, ())
+        return n
+
+
+@pytest.fixture
+def gpu_16gb(fake_mm):
+    fake_mm.get_total_memory = lambda d: 16 * 2**30
+    fake_mm.minimum_inference_memory = lambda: 0.8 * 2**30
+    return fake_mm
+
+
+def test_resident_clip_reloads_a_dynamic_clip_once(gpu_16gb):
+    gb = 2**30
+    plain = FakeClip(FakePatcher(9 * gb, 9 * gb))
+    assert comfy_weights.resident_clip(plain) == (plain, None)
+    clip = FakeClip(FakeDynamicPatcher(10 * gb))
+    first, why = comfy_weights.resident_clip(clip)
+    assert why is None and first is not clip and clip.patcher.reloads == 1
+    owner = getattr(clip.patcher.model, comfy_weights.RESIDENT_ATTR)
+    assert first.patcher.parent is owner and first.patcher.model is owner.model is first.cond_stage_model
+    assert owner.parent is None and owner.model is not clip.patcher.model
+    second, why = comfy_weights.resident_clip(clip)
+    assert why is None and clip.patcher.reloads == 1  # the same weights, not a second copy
+    assert second.patcher is not first.patcher and second.cond_stage_model is first.cond_stage_model
+
+
+def test_resident_clip_leaves_a_dynamic_clip_streamed_and_says_why(gpu_16gb):
+    gb = 2**30
+    big = FakeClip(FakeDynamicPatcher(14 * gb))  # 14 * 1.1 + 0.8 > 16
+    clip, why = comfy_weights.resident_clip(big)
+    assert clip is big and "does not fit whole on this GPU (16.0 GB" in why and big.patcher.reloads == 0
+    lost = FakeClip(FakeDynamicPatcher(10 * gb, init=False))
+    clip, why = comfy_weights.resident_clip(lost)
+    assert clip is lost and "cached_patcher_init" in why and "--disable-dynamic-vram" in why
+    broken = FakeClip(FakeDynamicPatcher(10 * gb, fail=True))
+    clip, why = comfy_weights.resident_clip(broken)
+    assert clip is broken and "RuntimeError: the file is gone)" in why and "--disable-dynamic-vram" in why
+    assert not hasattr(broken.patcher.model, comfy_weights.RESIDENT_ATTR)  # nothing half-applied

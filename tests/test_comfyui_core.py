@@ -220,3 +220,61 @@ def test_interrupt_then_next_prompt(comfy):
     assert not mm.processing_interrupted()
     again = patched.generate(tokens, do_sample=False, max_length=2)
     assert len(again) == 2 and again.stats is not None
+
+
+def _streamed(monkeypatch, clip):
+    """Make ``clip``'s patcher report DynamicVRAM (``ModelPatcherDynamic`` needs a GPU and comfy-aimdo;
+    on the CPU every other part of the path below is ComfyUI's own) and count the reloads its
+    ``cached_patcher_init`` (set by core ``load_clip``) serves."""
+    init = clip.patcher.cached_patcher_init
+    reloads = []
+
+    def factory(*args, **kwargs):
+        reloads.append(kwargs)
+        return init[0](*args, **kwargs)
+
+    monkeypatch.setattr(clip.patcher, "cached_patcher_init", (factory, *init[1:]))
+    monkeypatch.setattr(clip.patcher, "is_dynamic", lambda: True)
+    return reloads
+
+
+def test_dynamic_clip_is_patched_over_one_resident_reload(comfy, monkeypatch):
+    """A DynamicVRAM CLIP loaded by core ``load_clip`` is patched over ComfyUI's own reload of it without
+    DynamicVRAM (``ModelPatcher.clone(disable_dynamic=True)``), made once: the patched CLIP's modules are
+    the reload's, its patcher classic, its greedy tokens core's; a second patch (the enhancer patches
+    per prompt) reuses the same weights."""
+    from qwen35_fast.patches.clip_patch import patch_clip
+
+    clip = _core_load(comfy, checkpoint("bf16"))
+    tokens = clip.tokenize(PROMPT)
+    core = list(clip.generate(tokens, do_sample=False, max_length=STEPS))
+    reloads = _streamed(monkeypatch, clip)
+    patched = patch_clip(clip, mtp="off")
+    assert reloads == [{"disable_dynamic": True}]
+    resident = patched.cond_stage_model
+    assert resident is patched.patcher.model and resident is not clip.cond_stage_model
+    assert not patched.patcher.is_dynamic()
+    assert list(patched.generate(tokens, do_sample=False, max_length=STEPS)) == core
+    again = patch_clip(clip, mtp="off")
+    assert reloads == [{"disable_dynamic": True}] and again.cond_stage_model is resident
+    assert list(again.generate(tokens, do_sample=False, max_length=STEPS)) == core
+    assert not [k for k in clip.patcher.object_patches if "generate" in k], "the input CLIP was patched"
+
+
+def test_dynamic_clip_too_big_stays_streamed_and_says_why(comfy, monkeypatch, caplog):
+    import logging
+
+    import comfy.model_management as mm
+    from qwen35_fast.patches.clip_patch import patch_clip
+
+    clip = _core_load(comfy, checkpoint("bf16"))
+    tokens = clip.tokenize(PROMPT)
+    core = list(clip.generate(tokens, do_sample=False, max_length=STEPS))
+    reloads = _streamed(monkeypatch, clip)
+    monkeypatch.setattr(mm, "get_total_memory", lambda *a, **k: clip.patcher.model_size())
+    patched = patch_clip(clip, mtp="off")
+    assert reloads == [] and patched.cond_stage_model is clip.cond_stage_model
+    caplog.set_level(logging.INFO)
+    assert list(patched.generate(tokens, do_sample=False, max_length=STEPS)) == core
+    why = [r.getMessage() for r in caplog.records if "DynamicVRAM" in r.getMessage()]
+    assert why and "does not fit whole on this GPU" in why[0], why

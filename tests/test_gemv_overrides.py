@@ -107,7 +107,7 @@ def test_plan_launches_with_the_overrides(tiny, rng, monkeypatch):
     spy = _Spy(gemv._gemv_kernel, _gemv_launch)
     monkeypatch.setattr(gemv, "_gemv_kernel", spy)
     prompt = torch.randn(1, 9, h, generator=rng)
-    kw = dict(do_sample=False, max_length=14, stop_tokens=[], mtp="off", attention="torch")
+    kw = dict(do_sample=False, max_length=4, stop_tokens=[], mtp="off", attention="torch")
     want = generate(model, prompt, fused=False, **kw).tokens
 
     def run(value):
@@ -230,7 +230,7 @@ def test_plan_launches_the_deltanet_step_with_the_overrides(tiny, rng, monkeypat
     spy = _Spy(deltanet_step._step_kernel, lambda grid, args, kw: (grid, kw["num_warps"]))
     monkeypatch.setattr(deltanet_step, "_step_kernel", spy)
     prompt = torch.randn(1, 9, d["hidden_size"], generator=rng)
-    kw = dict(do_sample=False, max_length=13, stop_tokens=[], mtp="off", attention="torch")
+    kw = dict(do_sample=False, max_length=4, stop_tokens=[], mtp="off", attention="torch")
     want = generate(model, prompt, fused=False, **kw).tokens
     heads = d["linear_num_value_heads"]
     for value, launch in ((None, ((heads, 1), 4)), ("1=2,2", ((heads, 2), 2)), (None, ((heads, 1), 4))):
@@ -257,7 +257,7 @@ def test_plan_launches_the_attention_with_the_overrides(tiny, rng, monkeypatch):
                lambda grid, args, kw: (grid[1], kw["BLOCK_N"], kw["num_stages"], kw["num_warps"]))
     monkeypatch.setattr(attention_triton, "_split_kernel", spy)
     prompt = torch.randn(1, 9, d["hidden_size"], generator=rng)
-    kw = dict(do_sample=False, max_length=13, stop_tokens=[], mtp="off", attention="triton")
+    kw = dict(do_sample=False, max_length=4, stop_tokens=[], mtp="off", attention="triton")
     want = generate(model, prompt, fused=False, **dict(kw, attention="torch")).tokens
     default = attention_triton.default_config(d["head_dim"], 4, 16, 1 << 30)
     default = (4, default["BLOCK_N"], default["num_stages"], default["num_warps"])
