@@ -184,15 +184,16 @@ def patch_clip(clip, *, mtp="auto", attention="auto"):
     Qwen3.5 or its internals are unknown, and ValueError for a bad option.
     """
     settings = PatchSettings(mtp, attention).checked()
-    bridge.find_qwen35(clip)  # nothing is reloaded for a CLIP that is not Qwen3.5
-    source, streamed = comfy_weights.resident_clip(clip)
-    target = bridge.find_qwen35(source)
-    target.streamed = streamed
+    target = bridge.find_qwen35(clip)
     for obj, name in ((target.clip_model, "generate"), (target.transformer, "generate")):
         if not callable(getattr(obj, name, None)):
             raise bridge.Qwen35Unsupported(
                 f"{type(obj).__name__} has no {name}(): this ComfyUI version cannot generate text with "
                 "Qwen3.5; update ComfyUI.")
+    source, streamed = comfy_weights.resident_clip(clip)  # after the checks: nothing reloaded for a refusal
+    if source is not clip:
+        target = bridge.find_qwen35(source)
+    target.streamed = streamed
     patched = clip.clone() if source is clip else source  # resident_clip returns a fresh clone
     if not hasattr(patched, "patcher") or not hasattr(patched.patcher, "add_object_patch"):
         raise bridge.Qwen35Unsupported("This ComfyUI's CLIP patcher has no add_object_patch(); update ComfyUI.")
