@@ -266,6 +266,7 @@ def reset_peak() -> None:
 def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float) -> list[dict]:
     from qwen35_fast.engine import generate
     from qwen35_fast.patches import comfy_bridge as bridge
+    from qwen35_fast.patches import comfy_weights
     from qwen35_fast.patches.clip_loader import load_qwen35_clip
     from qwen35_fast.patches.clip_patch import patch_clip
 
@@ -276,7 +277,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     else:
         loaded = load_qwen35_clip(str(path), None)
         clip = loaded.clip
-    dynamic = getattr(clip.patcher, "is_dynamic", lambda: False)()
+    dynamic = comfy_weights.is_dynamic(clip.patcher)
     print(f"# {fmt}: loaded by the {args.loader} loader, DynamicVRAM {'on' if dynamic else 'off'}", flush=True)
     tokens = prompt_tokens(clip, args.prompt)
     patched = patch_clip(clip, mtp="off")

@@ -191,10 +191,11 @@ def patch_clip(clip, *, mtp="auto", attention="auto"):
                 f"{type(obj).__name__} has no {name}(): this ComfyUI version cannot generate text with "
                 "Qwen3.5; update ComfyUI.")
     source, streamed = comfy_weights.resident_clip(clip)  # after the checks: nothing reloaded for a refusal
-    if source is not clip:
-        target = bridge.find_qwen35(source)
+    if source is clip:
+        patched = clip.clone()
+    else:  # a fresh clone over the resident reload
+        patched, target = source, bridge.find_qwen35(source)
     target.streamed = streamed
-    patched = clip.clone() if source is clip else source  # resident_clip returns a fresh clone
     if not hasattr(patched, "patcher") or not hasattr(patched.patcher, "add_object_patch"):
         raise bridge.Qwen35Unsupported("This ComfyUI's CLIP patcher has no add_object_patch(); update ComfyUI.")
     tokenizer = getattr(clip, "tokenizer", None)
