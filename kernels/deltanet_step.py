@@ -176,7 +176,7 @@ def _step_kernel(
 
 
 @triton.jit
-def _gated_norm_kernel(OUT, Z, NW, H, OROT, so_b, so_s, sz_b, sz_s, eps, HV: tl.constexpr, S: tl.constexpr,
+def _gated_norm_kernel(OUT, Z, NW, OROT, so_b, so_s, sz_b, sz_s, eps, HV: tl.constexpr, S: tl.constexpr,
                        DV: tl.constexpr, GH: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr,
                        DT: tl.constexpr, PDL: tl.constexpr):
     """In place on OUT ``[B,S,HV*DV]``: ``rms_norm(o) * w * silu(z)`` per (b, row, head), GH heads
@@ -202,7 +202,7 @@ def _gated_norm_kernel(OUT, Z, NW, H, OROT, so_b, so_s, sz_b, sz_s, eps, HV: tl.
     y = (n * (z * tl.sigmoid(z))).to(DT)
     tl.store(ptr, y)
     if ROT > 0:
-        tl.store(OROT + (b * S + t) * (HV * DV) + tl.trans(offs), convrot_rows(y, H, ROT, R, IEEE).to(DT))
+        tl.store(OROT + (b * S + t) * (HV * DV) + tl.trans(offs), convrot_rows(y, ROT, R, IEEE).to(DT))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -312,9 +312,8 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
     out_rot = torch.empty_like(out) if heads else out
     if split > 1:
         gh = heads or 1
-        hmat = hadamard_cached(16, qkv.device, dt) if heads else out
         _gated_norm_kernel[(bsz * s * (hv // gh),)](
-            out, z, norm_weight, hmat, out_rot, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(eps),
+            out, z, norm_weight, out_rot, out.stride(0), out.stride(1), z.stride(0), z.stride(1), float(eps),
             HV=hv, S=s, DV=dv, GH=gh, ROT=rotate if heads else 0, IEEE=dt == torch.float32, DT=_TL_DTYPES[dt],
             num_warps=4, **launch_args(qkv.device))
     if not rotate:

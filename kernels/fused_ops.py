@@ -67,18 +67,28 @@ _NORM_SLICE = 512  # columns each add_rms_norm program writes (each reads its wh
 
 # ------------------------------------------------------------------ kernels
 @triton.jit
-def convrot_rows(y, H, G: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
+def _h16(i, j):
+    """H_16[i, j] as float32 (+-1/4) from the indices, no load: H_16 = H_4 (x) H_4 / 4, and the regular
+    H_4 is -1 on its anti-diagonal (i + j == 3), +1 elsewhere."""
+    neg = ((i // 4 + j // 4) == 3) ^ ((i % 4 + j % 4) == 3)
+    return tl.where(neg, -0.25, 0.25)
+
+
+@triton.jit
+def convrot_rows(y, G: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
     """``[R, 16]`` values in the io dtype (row r holds features 16r .. 16r + 15 of the tile) with
     every group of G (16 or 256) times H_G, float32 out **transposed**: ``[16, R]``, element
-    (j, r) is feature 16r + j (store it at ``tl.trans`` of the input's offsets). H points to H_16
-    ``[16, 16]`` in the io dtype; H_256 = H_16 (x) H_16, so a group as a 16x16 matrix X (rows
+    (j, r) is feature 16r + j (store it at ``tl.trans`` of the input's offsets). H_16 is made in
+    registers from the indices (``_h16``), not loaded: the load sat between the kernel's reduction
+    and the rotation, on the step's critical path (H200, chained deferred 9B norms, 1 row,
+    ``benchmarks/norm.py``: 1.74 -> 1.47 us a launch). H_256 = H_16 (x) H_16, so a group as a 16x16 matrix X (rows
     16g .. 16g + 15 of y) becomes H_16 X H_16 (H_16 is symmetric): first H_16 y^T, then times a
     block-diagonal ``[R, R]`` matrix of H_16 blocks (float32 products). With y as the right
     operand of the first product, Triton leaves the kernel's loads and arithmetic in their own
     layout: as the left operand (and with reshapes of the tile) every loaded tensor went through
     shared memory first (19 barriers in the deferred norm, 7 now; Triton 3.6, sm90)."""
     c = tl.arange(0, 16)
-    h = tl.load(H + c[:, None] * 16 + c[None, :])
+    h = _h16(c[:, None], c[None, :]).to(y.dtype)
     if IEEE:
         z = tl.dot(h, tl.trans(y), input_precision="ieee")
     else:
@@ -86,8 +96,8 @@ def convrot_rows(y, H, G: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
     if G == 256:  # the other factor, over the 16 rows of each group
         r = tl.arange(0, R)
         same = (r[:, None] // 16) == (r[None, :] // 16)
-        blocks = tl.load(H + (r[:, None] % 16) * 16 + r[None, :] % 16, mask=same, other=0.0)
-        z = tl.dot(z, blocks.to(tl.float32), input_precision="ieee")
+        blocks = tl.where(same, _h16(r[:, None] % 16, r[None, :] % 16), 0.0)
+        z = tl.dot(z, blocks, input_precision="ieee")
     return z
 
 
@@ -116,7 +126,7 @@ def _residual_rows(X, R, row, sx, sr, sr_p, cols, ok, HAS_RES: tl.constexpr, PAR
 
 @triton.jit
 def _add_rms_norm_kernel(
-    X, R, W, Y, HOUT, H, YROT, SQ,
+    X, R, W, Y, HOUT, YROT, SQ,
     sx, sr, sr_p, sw, n_cols, eps,
     HAS_RES: tl.constexpr, PARTS: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr,
     SLICE: tl.constexpr, DEFER: tl.constexpr, PDL: tl.constexpr,
@@ -147,7 +157,7 @@ def _add_rms_norm_kernel(
         tl.store(HOUT + row * n_cols + sc, hs.to(DT), mask=ok)
     tl.store(Y + row * n_cols + sc, y, mask=ok)
     if ROT > 0:
-        tl.store(YROT + row * n_cols + tl.trans(sc), convrot_rows(y, H, ROT, SLICE // 16, IEEE).to(DT),
+        tl.store(YROT + row * n_cols + tl.trans(sc), convrot_rows(y, ROT, SLICE // 16, IEEE).to(DT),
                  mask=tl.trans(ok))
 
 
@@ -230,7 +240,7 @@ def _rope_tables_kernel(POS, INV, AXIS, COS, SIN, sp_a, sp_s, rot, BLOCK: tl.con
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, OUT, H, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE: tl.constexpr,
+def _silu_mul_kernel(G, U, OUT, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -243,12 +253,12 @@ def _silu_mul_kernel(G, U, OUT, H, OROT, sg, su, n_cols, ROT: tl.constexpr, IEEE
     tl.store(OUT + row * n_cols + cols, out, mask=ok)
     if ROT > 0:
         tl.store(OROT + row * n_cols + tl.trans(cols),
-                 convrot_rows(out, H, ROT, BLOCK // 16, IEEE).to(OUT.dtype.element_ty), mask=tl.trans(ok))
+                 convrot_rows(out, ROT, BLOCK // 16, IEEE).to(OUT.dtype.element_ty), mask=tl.trans(ok))
 
 
 @triton.jit
 def _sigmoid_gate_kernel(
-    ATT, GATE, OUT, H, OROT,
+    ATT, GATE, OUT, OROT,
     so_b, so_h, so_s, sg_b, sg_s, sg_h,
     n_heads, n_rows, d,
     ROT: tl.constexpr, IEEE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -269,7 +279,7 @@ def _sigmoid_gate_kernel(
     out = (o * sig).to(OUT.dtype.element_ty)
     tl.store(OUT + at, out, mask=ok)
     if ROT > 0:
-        tl.store(OROT + tl.trans(at), convrot_rows(out, H, ROT, BLOCK // 16, IEEE).to(OUT.dtype.element_ty),
+        tl.store(OROT + tl.trans(at), convrot_rows(out, ROT, BLOCK // 16, IEEE).to(OUT.dtype.element_ty),
                  mask=tl.trans(ok))
 
 
@@ -279,19 +289,19 @@ def fused_ops_reason(t: torch.Tensor) -> str | None:
     return triton_device_reason(t.device)
 
 
-def _rotation(op: str, rotate: int, width: int, block: int, t: torch.Tensor):
-    """``(G, H_16 pointer tensor)`` when the kernel rotates its tile itself, ``(0, t)`` when not
-    (no rotation, or one ``hadamard_rotate`` launch after it). Checks G. Tiles of 256 to
-    ``_ROT_TILE_MAX`` columns rotate in the kernel (``convrot_rows``' block-diagonal product grows
-    as the tile squared: a 4096-column tile would need 272 KB of shared memory)."""
+def _rotation(op: str, rotate: int, width: int, block: int) -> int:
+    """G when the kernel rotates its tile itself, 0 when not (no rotation, or one ``hadamard_rotate``
+    launch after it). Checks G. Tiles of 256 to ``_ROT_TILE_MAX`` columns rotate in the kernel
+    (``convrot_rows``' block-diagonal product grows as the tile squared: a 4096-column tile would
+    need 272 KB of shared memory)."""
     if not rotate:
-        return 0, t
+        return 0
     if not convrot_group_ok(rotate) or width % rotate:
         raise ValueError(f"{op}: rotate={rotate} must be a ConvRot group size (a power of 4) that divides "
                          f"the width {width}")
     if rotate in (16, 256) and 256 <= block <= _ROT_TILE_MAX and block % rotate == 0:
-        return rotate, hadamard_cached(16, t.device, t.dtype)
-    return 0, t
+        return rotate
+    return 0
 
 
 def _rotated(out: torch.Tensor, rotate: int, fused: int, out_rot: torch.Tensor) -> torch.Tensor:
@@ -411,7 +421,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     slice_, warps = (slice_, _num_warps(slice_ if defer else block)) if config is None else config
     if slice_ < 1 or block % slice_ or slice_ & (slice_ - 1):
         raise ValueError(f"{op}: config columns {slice_} must be a power of two dividing {block}")
-    fused, hmat = _rotation(op, rotate, hid, slice_, x)
+    fused = _rotation(op, rotate, hid, slice_)
     x2 = _rows(op, "x", x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y_rot = torch.empty(x.shape, dtype=x.dtype, device=x.device) if fused else y
@@ -431,7 +441,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if x2.shape[0] == 0 or hid == 0:
         return ((y, h) if not rotate else (y, h, y_rot)) + norm
     _add_rms_norm_kernel[(x2.shape[0], slices)](
-        x2, r2, weight, y, h_out, hmat, y_rot, sq,
+        x2, r2, weight, y, h_out, y_rot, sq,
         x2.stride(0), r2.stride(0), sr_p, weight.stride(0), hid, float(eps),
         HAS_RES=residual is not None, PARTS=parts, ROT=fused, IEEE=x.dtype == torch.float32, BLOCK=block,
         SLICE=slice_, DEFER=defer, num_warps=warps, **launch_args(x.device),
@@ -646,12 +656,12 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, *, rotate: int = 0):
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     n = g.shape[-1]
     block = min(triton.next_power_of_2(max(n, 1)), _ROT_TILE_MAX if rotate else _SILU_TILE)
-    fused, hmat = _rotation(op, rotate, n, block, g)
+    fused = _rotation(op, rotate, n, block)
     out_rot = torch.empty(g.shape, dtype=g.dtype, device=g.device) if fused else out
     if out.numel() == 0:
         return out if not rotate else (out, out_rot)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
-        g2, u2, out, hmat, out_rot, g2.stride(0), u2.stride(0), n, ROT=fused, IEEE=g.dtype == torch.float32,
+        g2, u2, out, out_rot, g2.stride(0), u2.stride(0), n, ROT=fused, IEEE=g.dtype == torch.float32,
         BLOCK=block, num_warps=4, **launch_args(g.device),
     )
     return out if not rotate else (out, _rotated(out, rotate, fused, out_rot))
@@ -690,12 +700,12 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, *, rotate: int = 0):
     head_stride = gate.stride(2) if gate.dim() == 4 else d
     out = torch.empty(b_sz, s, hn * d, dtype=o.dtype, device=o.device)
     block = triton.next_power_of_2(max(d, 1))
-    fused, hmat = _rotation(op, rotate, hn * d, block if d == block else 0, o)  # groups within one head
+    fused = _rotation(op, rotate, hn * d, block if d == block else 0)  # groups within one head
     out_rot = torch.empty(out.shape, dtype=o.dtype, device=o.device) if fused else out
     if out.numel() == 0:
         return out if not rotate else (out, out_rot)
     _sigmoid_gate_kernel[(b_sz * s * hn,)](
-        o, gate, out, hmat, out_rot,
+        o, gate, out, out_rot,
         o.stride(0), o.stride(1), o.stride(2), gate.stride(0), gate.stride(1), head_stride,
         hn, s, d,
         ROT=fused, IEEE=o.dtype == torch.float32, BLOCK=block, num_warps=_num_warps(block),

@@ -94,8 +94,8 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
 
 
-@pytest.mark.parametrize("fmt", ["float", "int8_convrot", pytest.param("int8_convrot256", marks=pytest.mark.one_tree),
-                                 "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("fmt", ["float", "int8_convrot"] + [pytest.param(f, marks=pytest.mark.one_tree) for f in
+                                                               ("int8_convrot256", "float8_e4m3fn", "float8_e5m2")])
 def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     """ComfyUI's own modules as its loader leaves them (``manual_cast`` ops, or ``MixedPrecisionOps``
     with int8_tensorwise + ConvRot or per-tensor fp8 weights; ``comfy_cast_weights`` / ``comfy_force_cast_weights`` set
@@ -106,7 +106,10 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     so the norm, SiLU and gate kernels and the DeltaNet step's gated norm rotate in their own tiles,
     and the products that feed a norm split over K (float32 partials summed by the norm); it reads
     the weights as ``int8_convrot`` does, and its cost (about 4 minutes on 2 CPU cores) is the pack's
-    kernels interpreted, so ``scripts/test_comfyui.sh`` runs it on one tree (``one_tree``)."""
+    kernels interpreted, so ``scripts/test_comfyui.sh`` runs it on one tree (``one_tree``). So do the
+    fp8 cases (about a minute each): the newer trees are 0.29.0 with newer text-encoder files, and
+    their fp8 loading (``quant_ops.py``, ``MixedPrecisionOps``) is 0.29.0's; ``float`` and
+    ``int8_convrot`` bind every tree's module tree."""
     from qwen35_fast.engine.fused import FusedPlan
     from qwen35_fast.kernels import deltanet_step, gemv
 
