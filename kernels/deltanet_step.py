@@ -18,6 +18,11 @@ group of 256 spans two 128-wide heads) and the rotation. Measured and not taken:
 by the last of each pair's step programs to finish (a device counter per pair), 24 launches fewer
 per 9B int8 token: 337.1 against 338.6 tok/s in ComfyUI (H200, processes interleaved), since one
 program per pair then does it in the step's tail, where the overlapped second launch cost no more.
+Also measured and not taken: every row's inputs loaded and convolved first, as ``[S, channels]``
+tiles, each row then picked out of them for the serial delta rule (so no state store precedes the
+next row's loads). Per launch on an H100 (``benchmarks/deltanet_step.py``): 1 row, whole heads 5.32
+-> 6.57 us, 4 rows 13.75 -> 17.46; rotated, 1 row 5.75 -> 5.42, 4 rows 14.90 -> 17.07; the 9B int8
+file in ComfyUI MTP off 278.3 / 277.4 -> 276.6 / 276.7 tok/s (processes before, after, after, before).
 """
 
 from __future__ import annotations
