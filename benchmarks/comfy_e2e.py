@@ -49,13 +49,14 @@ step and the host's Python functions per token of a generation (cProfile, after 
 generation; also of a forced3 one when ``--kinds`` names it), per format.
 ``--profile-prefill``: median wall time of the prompt's prefill (main forward and MTP head, a fresh
 cache each) and its kernels and host ops (torch profiler), per format.
-``--variants NAME:VAR=VALUE``: more MTP-off pack rows (``pack@NAME``), each run with environment
+``--variants NAME:VAR=VALUE``: more MTP-off pack rows (``pack@NAME``; with forced3 in ``--kinds``
+also forced MTP-3 rows, ``pack-forced3@NAME``, right after the forced3 row), each run with environment
 variables a generation reads when it builds its plan (``VARIANT_ENV``: the launch settings of the
 products, ``QWEN35_FAST_GEMV_CONFIG``, of the DeltaNet step, ``QWEN35_FAST_DELTANET_CONFIG``, and
 of the decode attention, ``QWEN35_FAST_ATTENTION_CONFIG``; the L2 prefetch; PDL), right after the
 pack row; with ``--repeat N`` the rows of each max_length run N times over in that order:
 settings compared in one process, on one loaded model, interleaved; the table then ends with each pack kind's median
-tok/s and its ratio to the pack row's (``compare``).
+tok/s and its ratio to the pack row's (a forced MTP-3 variant's: to the forced3 row's; ``compare``).
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
@@ -395,6 +396,9 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                  and (k != "core" or max_length in args.core_max_lengths)]
         at = order.index("pack") + 1 if "pack" in order else 0  # next to the row they are compared with
         order[at:at] = [f"pack@{name}" for name in variants]
+        if "forced3" in order:
+            at = order.index("forced3") + 1
+            order[at:at] = [f"forced3@{name}" for name in variants]
         for kind in order * args.repeat:
             reset_peak()
             probe = PeakProbe(args.memory and max_length == args.max_lengths[0] and kind in ("core", "pack"))
@@ -416,10 +420,12 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                 # The MTP-off token sequence (the drafts to force), then depth 3 with those drafts.
                 drafts = forced_drafts(target, embeds, args.tokens + 8, greedy)
                 reset_peak()
-                tok_s = clock.run(lambda m=max_length: bridge.run_engine(
-                    target, embeds, max_length=m, mtp=3,
-                    mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), args.tokens)
-                row("pack-forced3", max_length, tok_s)
+                variant = kind.partition("@")[2]
+                with launches(kind, variants.get(variant, {})):
+                    tok_s = clock.run(lambda m=max_length: bridge.run_engine(
+                        target, embeds, max_length=m, mtp=3,
+                        mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), args.tokens)
+                row("pack-forced3" + (f"@{variant}" if variant else ""), max_length, tok_s)
     comfy.model_management.unload_all_models()
     patched = patched_mtp = target = embeds = clip = loaded = None
     gc.collect()
@@ -547,25 +553,26 @@ def markdown(run: dict) -> str:
         lines += ["", "First generations of the process (the warm-ups): " + "; ".join(first) + "."]
     medians = compare(run["rows"])
     if medians:
-        lines += ["", "| file | max_length | path | runs | median tok/s | against pack |", "|---|---|---|---|---|---|"]
+        lines += ["", "| file | max_length | path | runs | median tok/s | against pack (forced3) |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {m['format']} | {m['max_length']} | {m['kind']} | {m['runs']} | {m['tok_s']:.1f} | "
                   f"{m['ratio']:.3f} |" for m in medians]
     return "\n".join(lines)
 
 
 def compare(rows: list[dict]) -> list[dict]:
-    """Median tok/s per (format, max_length, kind) of the pack rows and their ``--variants``, with
-    the ratio to that format's and max_length's ``pack`` median; empty unless some variant or a
-    ``--repeat`` gave more than one pack-kind row there."""
+    """Median tok/s per (format, max_length, kind) of the pack and forced MTP-3 rows and their
+    ``--variants``, with the ratio to that format's and max_length's ``pack`` (``pack-forced3``)
+    median; empty unless some variant or a ``--repeat`` gave more than one such row there."""
     groups: dict[tuple, list[float]] = {}
     for r in rows:
-        if r["kind"] == "pack" or r["kind"].startswith("pack@"):
+        if r["kind"].partition("@")[0] in ("pack", "pack-forced3"):
             groups.setdefault((r["format"], r["max_length"], r["kind"]), []).append(r["tok_s"])
     if all(len(v) == 1 for v in groups.values()) and not any("@" in key[2] for key in groups):
         return []
     out = []
     for (fmt, length, kind), values in groups.items():
-        base = groups.get((fmt, length, "pack"))
+        base = groups.get((fmt, length, kind.partition("@")[0]))
         med = statistics.median(values)
         out.append({"format": fmt, "max_length": length, "kind": kind, "runs": len(values), "tok_s": med,
                     "ratio": med / statistics.median(base) if base else float("nan")})
@@ -600,7 +607,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="NAME:VAR=VALUE",
                     help="extra MTP-off pack rows (kind pack@NAME), each run with these environment variables "
                          f"set ({', '.join(VARIANT_ENV)}: read when a generation builds its plan), right after "
-                         "the pack row of each max_length")
+                         "the pack row of each max_length; with forced3 in --kinds also forced MTP-3 rows "
+                         "(pack-forced3@NAME) right after the forced3 row")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each max_length's rows this many times over, in the same interleaved order")
     ap.add_argument("--json", default="comfy_e2e.json")

@@ -325,13 +325,13 @@ class FusedPlan:
         plain = self.linears.get(id(module))
         if plain is None:
             return module(x)
-        split = self._split(plain) if into_norm else 1
+        split = self._split(plain, x.numel() // x.shape[-1]) if into_norm else 1
         return linear_rows(x, plain, rotated=rotated, split=split, prefetch=self.prefetch.get(id(module)))
 
-    def _split(self, plain) -> int:
+    def _split(self, plain, rows: int) -> int:
         from ..kernels import gemv
 
-        return gemv.split_k(plain.weight.shape[0], plain.weight.shape[1], plain.quantized)
+        return gemv.split_k(plain.weight.shape[0], plain.weight.shape[1], plain.quantized, rows)
 
     def lins(self, modules, x) -> list[torch.Tensor]:
         """Projections of the same rows x (grouped into one launch where they are int8; x's rotated

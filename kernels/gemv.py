@@ -140,8 +140,10 @@ PREFETCH_BYTES = _prefetch_bytes()
 #: ``KIND:NxK=/SPLIT`` or both (``KIND:NxK=BN,BK,WARPS,STAGES/SPLIT``), separated by ``;``. KIND is
 #: ``quant`` (int8 / fp8 weights) or ``float``; N is a launch's output columns in all (a group's
 #: sum: 12352 for a 9B DeltaNet layer's inputs), K its width; SPLIT replaces ``split_k`` for that
-#: weight; a fifth number after STAGES gives the K slices of a tile (``_tile``'s SLICES). Read when
-#: a fused plan is built (each generation), so one process can compare settings.
+#: weight; a fifth number after STAGES gives the K slices of a tile (``_tile``'s SLICES).
+#: ``KIND:NxK@R=...`` applies to launches of R rows only (4: an MTP-3 verify) and, for the values it
+#: gives, before an entry without ``@R``. Read when a fused plan is built (each generation), so one
+#: process can compare settings.
 CONFIG_ENV = "QWEN35_FAST_GEMV_CONFIG"
 
 
@@ -316,20 +318,23 @@ def _gemv_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, M, K, K_PER,
         _prefetch_share(PF, n_pf, 128)
 
 
-_FORMAT = ("entries like 'quant:4096x12288=32,256,2,4/4', 'quant:12352x4096=32,512,4,3,4' or "
-           "'float:4096x4096=/2' separated by ';'")
+_FORMAT = ("entries like 'quant:4096x12288=32,256,2,4/4', 'quant:12352x4096=32,512,4,3,4', "
+           "'quant:4096x12288@4=/3' or 'float:4096x4096=/2' separated by ';'")
 
 
-def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, ...] | None, int | None]]:
-    """``CONFIG_ENV``'s value -> ``{(quant, N, K): (config or None, split or None)}``. ValueError
-    naming the entry and the format when one is malformed or out of range (BLOCK_N, BLOCK_K powers
-    of two from 16 to 1024, warps 1..16 a power of two, stages 1..8, an optional fifth value, the K
-    slices of a tile (``_tile``'s SLICES), a power of two leaving slices of at least 16, split 1..64)."""
+def parse_overrides(text: str) -> dict[tuple, tuple[tuple[int, ...] | None, int | None]]:
+    """``CONFIG_ENV``'s value -> ``{(quant, N, K): (config or None, split or None)}``, an entry for
+    R rows only (``NxK@R``) under ``(quant, N, K, R)``. ValueError naming the entry and the format
+    when one is malformed or out of range (BLOCK_N, BLOCK_K powers of two from 16 to 1024, warps
+    1..16 a power of two, stages 1..8, an optional fifth value, the K slices of a tile (``_tile``'s
+    SLICES), a power of two leaving slices of at least 16, split 1..64, R 1..``MAX_GEMV_ROWS``)."""
     out = {}
     for entry in entries(text):
         try:
             kind, rest = entry.split(":", 1)
             shape, value = rest.split("=", 1)
+            shape, at, rows_text = shape.partition("@")
+            rows = int(rows_text) if at else None
             n, k = (int(v) for v in shape.lower().split("x"))
             cfg_text, _, split_text = value.partition("/")
             cfg = tuple(int(v) for v in cfg_text.split(",")) if cfg_text.strip() else None
@@ -342,13 +347,22 @@ def parse_overrides(text: str) -> dict[tuple[bool, int, int], tuple[tuple[int, .
                                         or not pow2_between(cfg[1], 16, 1024)
                                         or not pow2_between(cfg[2], 1, 16) or not 1 <= cfg[3] <= 8
                                         or (len(cfg) == 5 and not pow2_between(cfg[4], 1, cfg[1] // 16))))
-               or (split is not None and not 1 <= split <= 64))
+               or (split is not None and not 1 <= split <= 64)
+               or (rows is not None and not 1 <= rows <= MAX_GEMV_ROWS))
         if bad:
             raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (kind quant or float, BLOCK_N and BLOCK_K "
                              f"powers of two 16..1024, warps 1..16, stages 1..8, K slices a power of two up to "
-                             f"BLOCK_K / 16, split 1..64): {_FORMAT}")
-        out[(kind == "quant", n, k)] = (cfg, split)
+                             f"BLOCK_K / 16, split 1..64, rows 1..{MAX_GEMV_ROWS}): {_FORMAT}")
+        out[(kind == "quant", n, k) + ((rows,) if rows is not None else ())] = (cfg, split)
     return out
+
+
+def _override(quant: bool, n: int, k: int, rows: int | None) -> tuple[tuple[int, ...] | None, int | None]:
+    """(config, split) ``CONFIG_ENV`` gives a launch of ``rows`` rows (None: any), each None where it
+    gives none: an entry for those rows first, then one for every row count."""
+    anyrows = _OVERRIDES.values.get((quant, n, k), (None, None))
+    mine = _OVERRIDES.values.get((quant, n, k, rows), (None, None)) if rows is not None else (None, None)
+    return (mine[0] if mine[0] is not None else anyrows[0], mine[1] if mine[1] is not None else anyrows[1])
 
 
 _OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
@@ -365,10 +379,11 @@ def load_overrides() -> dict:
     return overrides
 
 
-def _config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) of a launch: ``CONFIG_ENV``'s for (quant, n, k)
-    when it names one (``load_overrides``), else ``_default_config``'s measured pick."""
-    cfg = _OVERRIDES.values.get((quant, n, k), (None, None))[0]
+def _config(n: int, k: int, quant: bool = False, rows: int | None = None) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) of a launch of ``rows`` rows: ``CONFIG_ENV``'s
+    for (quant, n, k) when it names one (``load_overrides``, ``_override``), else
+    ``_default_config``'s measured pick."""
+    cfg = _override(quant, n, k, rows)[0]
     return cfg if cfg is not None else _default_config(n, k, quant)
 
 
@@ -422,13 +437,14 @@ def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
     return 32, 256, 4, 4
 
 
-def split_k(n: int, k: int, quant: bool = False) -> int:
+def split_k(n: int, k: int, quant: bool = False, rows: int | None = None) -> int:
     """K ranges (``gemv_group(split=)``) for one weight ``[n, k]`` whose consumer sums the float32
     partials (``fused_ops.add_rms_norm``). Up to 8192 columns make at most 256 programs of 32
     columns, too few to keep an H200's memory busy: int8 splits K in 4 (the 9B MLP down projection
     17 us against 22, the 4096x4096 outputs 8.1 against 9.2), bf16 in 2 (27 against 28, 10.8
-    against 12.1); wider outputs are not split. ``CONFIG_ENV`` may name another split for (n, k)."""
-    split = _OVERRIDES.values.get((quant, n, k), (None, None))[1]
+    against 12.1); wider outputs are not split. ``CONFIG_ENV`` may name another split for (n, k),
+    or for (n, k) at ``rows`` rows."""
+    split = _override(quant, n, k, rows)[1]
     if split is not None:
         return split
     if n > 8192:
@@ -527,8 +543,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     m = x2.shape[0]
     nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
     ns = [w.shape[0] for w in weights]
-    env_cfg = _OVERRIDES.values.get((quant, sum(ns), k), (None, None))[0] if config is None else None
-    cfg = _config(sum(ns), k, quant) if config is None else config
+    env_cfg = _override(quant, sum(ns), k, m)[0] if config is None else None
+    cfg = _config(sum(ns), k, quant, m) if config is None else config
     block_n, block_k, warps, stages = cfg[:4]
     shrunk_key = (str(x.device), x.dtype, weights[0].dtype, tuple(cfg))
     stages = _SHRUNK.get(shrunk_key, stages)

@@ -13,18 +13,21 @@ from qwen35_fast.engine import bind, generate
 from qwen35_fast.engine.fused import FusedPlan
 from qwen35_fast.kernels import attention_triton, deltanet_step, gemv, interpreting
 
-from tests.oracles.tiny import engine_model, make_tiny
+from tests.oracles.tiny import add_mtp, engine_model, make_tiny
 
 ENV = "QWEN35_FAST_GEMV_CONFIG"
 
 
 def test_parse_reads_every_form():
-    text = " quant:12352x4096=32,256,4,3; float:64X96=/3 ;;quant:4096x12288=32,256,2,4/4;quant:8x64=16,64,4,2,4/2 "
+    text = (" quant:12352x4096=32,256,4,3; float:64X96=/3 ;;quant:4096x12288=32,256,2,4/4;quant:8x64=16,64,4,2,4/2;"
+            "quant:4096x12288@4=/3; float:64x96@16=32,64,4,2")
     assert gemv.parse_overrides(text) == {
         (True, 12352, 4096): ((32, 256, 4, 3), None),
         (False, 64, 96): (None, 3),
         (True, 4096, 12288): ((32, 256, 2, 4), 4),
         (True, 8, 64): ((16, 64, 4, 2, 4), 2),
+        (True, 4096, 12288, 4): (None, 3),
+        (False, 64, 96, 16): ((32, 64, 4, 2), None),
     }
     assert gemv.parse_overrides("") == {}
 
@@ -42,6 +45,9 @@ def test_parse_reads_every_form():
     "quant:64x96=16,64,1,2,4,1",  # at most five numbers
     "quant:64x96=/0",  # split >= 1
     "quant:64x96=/",  # nothing to override
+    "quant:64x96@0=/2",  # rows 1..16
+    "quant:64x96@17=/2",
+    "quant:64x96@four=/2",  # rows a number
 ])
 def test_malformed_entries_name_the_format(bad):
     with pytest.raises(ValueError, match=rf"{ENV}: .*'quant:4096x12288=32,256,2,4/4'"):
@@ -89,8 +95,8 @@ def _set_env(monkeypatch, var: str, value: str | None) -> None:
 
 
 def _gemv_launch(grid, args, kw):
-    """A ``_gemv_kernel`` launch: grid, K, output columns, (BLOCK_N, BLOCK_K, warps, stages)."""
-    return {"grid": grid, "k": args[14], "ns": tuple(n for n in args[16:20] if n),
+    """A ``_gemv_kernel`` launch: grid, rows, K, output columns, (BLOCK_N, BLOCK_K, warps, stages)."""
+    return {"grid": grid, "rows": args[13], "k": args[14], "ns": tuple(n for n in args[16:20] if n),
             "cfg": (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"])}
 
 
@@ -130,6 +136,30 @@ def test_plan_launches_with_the_overrides(tiny, rng, monkeypatch):
     assert {(x["cfg"], x["grid"]) for x in gate_up} == {((32, 32, 2, 2), (2 * -(-inter // 32), 1))}
     tokens, down, _ = run(None)
     assert tokens == want and {x["cfg"] for x in down} == {_picked(h, inter)}
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
+def test_row_count_entries_apply_to_those_rows_only(tmp_path, test_seed, rng, monkeypatch):
+    """``NxK@4``: the MTP-3 verify's 4-row launches (and the head's catch-up over them) take the
+    entry, the 1-row ones (decode, drafts) the entry without rows; same tokens as the module path."""
+    sd, d = make_tiny(test_seed % 10_000, strength=0.2, vocab_size=64, hidden_size=64, num_hidden_layers=4)
+    model = engine_model(add_mtp(sd, d, test_seed % 9_999, noise=0.02), tmp_path)
+    h, inter = d["hidden_size"], d["intermediate_size"]
+    spy = _Spy(gemv._gemv_kernel, _gemv_launch)
+    monkeypatch.setattr(gemv, "_gemv_kernel", spy)
+    prompt = torch.randn(1, 7, h, generator=rng)
+    kw = dict(do_sample=False, max_length=14, stop_tokens=[], mtp=3, attention="torch")
+    want = generate(model, prompt, fused=False, **kw).tokens
+    monkeypatch.setenv(ENV, f"float:{h}x{inter}@4=16,16,1,1/3; float:{h}x{inter}=32,16,1,1")
+    got = generate(model, prompt, fused=True, **kw).tokens
+    assert got == want
+    down = [x for x in spy.launches if x["ns"] == (h,) and x["k"] == inter]
+    by_rows = {}
+    for x in down:
+        by_rows.setdefault(x["rows"], set()).add((x["cfg"], x["grid"]))
+    assert set(by_rows) >= {1, 4}, by_rows
+    assert by_rows[4] == {((16, 16, 1, 1), (h // 16, 3))}  # the row entry: its tile, 3 K ranges
+    assert {cfg for cfg, _ in by_rows[1]} == {(32, 16, 1, 1)}  # the entry without rows
 
 
 @pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
@@ -291,15 +321,19 @@ def test_benchmark_variants_set_and_restore_the_environment(monkeypatch):
 
 def test_benchmark_compares_medians_with_the_pack_row():
     """``comfy_e2e.compare``: per format and max_length, each pack kind's median over its runs and
-    its ratio to the plain pack row's median; nothing to compare without variants or repeats."""
+    its ratio to the plain pack row's median (a forced MTP-3 variant's to the forced3 row's);
+    nothing to compare without variants or repeats."""
     from benchmarks.comfy_e2e import compare
 
     def r(kind, tok_s, fmt="int8", length=4096):
         return {"format": fmt, "kind": kind, "max_length": length, "tok_s": tok_s}
 
     rows = [r("first-use", 1.0), r("pack", 300.0), r("pack@a", 330.0), r("core", 9.0), r("pack", 310.0),
-            r("pack@a", 320.0), r("pack", 350.0), r("pack@a", 336.0), r("pack", 100.0, "bf16")]
+            r("pack@a", 320.0), r("pack", 350.0), r("pack@a", 336.0), r("pack", 100.0, "bf16"),
+            r("pack-forced3", 800.0), r("pack-forced3@a", 840.0), r("pack-forced3", 820.0),
+            r("pack-forced3@a", 850.0)]
     got = {(m["format"], m["kind"]): (m["runs"], m["tok_s"], round(m["ratio"], 6)) for m in compare(rows)}
     assert got == {("int8", "pack"): (3, 310.0, 1.0), ("int8", "pack@a"): (3, 330.0, round(330 / 310, 6)),
-                   ("bf16", "pack"): (1, 100.0, 1.0)}
+                   ("bf16", "pack"): (1, 100.0, 1.0), ("int8", "pack-forced3"): (2, 810.0, 1.0),
+                   ("int8", "pack-forced3@a"): (2, 845.0, round(845 / 810, 6))}
     assert compare([r("pack", 300.0), r("pack", 200.0, "bf16"), r("core", 9.0)]) == []
