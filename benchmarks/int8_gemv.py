@@ -175,17 +175,18 @@ def main() -> None:
 
             row = {"rows": rows, "group": name, "ns": ns, "k": k, "uses": uses, "floor_us": floor, "rel_err": err,
                    "bf16_us": chained_us(cublas, dense),
-                   "bf16_triton_us": sweep(lambda ws, cfg: gemv_group(x, ws, config=cfg), _config(sum(ns), k), dense)}
+                   "bf16_triton_us": sweep(lambda ws, cfg: gemv_group(x, ws, config=cfg),
+                                           _config(sum(ns), k, False, rows), dense)}
             if into_norm:
-                pick = _config(sum(ns), k)
+                pick = _config(sum(ns), k, False, rows)
                 row["bf16_triton_split_us"] = {
                     f"{pick} split {p}" + ("*" if p == split_k(ns[0], k) else ""):
                         chained_us(lambda ws, p=p: gemv_group(x, ws, config=pick, split=p), dense) for p in SPLITS}
             del dense
             row["int8_us"] = sweep(lambda ws, cfg: gemv_group(xr, ws, scales=scales, config=cfg),
-                                   _config(sum(ns), k, True), sets)
+                                   _config(sum(ns), k, True, rows), sets)
             if into_norm:
-                pick = _config(sum(ns), k, True)
+                pick = _config(sum(ns), k, True, rows)
                 row["int8_split_us"] = {}
                 for cfg in (pick, (32, 256, 8, 4), (64, 256, 4, 4)):
                     for p in SPLITS:

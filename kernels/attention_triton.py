@@ -16,7 +16,6 @@ Two launches over a fixed grid, so one CUDA graph serves every length:
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -27,6 +26,7 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
+from .capabilities import device_limits
 from .overrides import EnvOverrides, entries, pow2_between
 from .pdl import launch_args, trigger, wait
 
@@ -221,18 +221,8 @@ def _combine_gate_kernel(
 
 
 def _device_limits(device: torch.device) -> tuple[int, int] | None:
-    """(SM count, shared memory a block may opt in to, in bytes) of a CUDA ``device``; None elsewhere
-    (the interpreter: no limit)."""
-    if device.type != "cuda":
-        return None
-    return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_limits(device_index: int) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(device_index)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-    return props.multi_processor_count, smem
+    """``capabilities.device_limits`` (a seam ``tests/consumer_step.py`` replaces with a fake GPU's)."""
+    return device_limits(device)
 
 
 # (BLOCK_N, num_stages) from fastest to smallest; tuned on an H200 (benchmarks/decode_attention.py --tune)

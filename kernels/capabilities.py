@@ -6,6 +6,8 @@
 * ``pdl_reason(device)``: None when the decode kernels may launch with programmatic dependent
   launch (Hopper+: a kernel starts while its predecessor finishes; ``kernels/pdl.py``), else why not
   (``triton_pdl_reason()``: the part that is this Triton's).
+* ``device_limits(device)``: a CUDA device's SM count and the shared memory a block may opt in to
+  (None elsewhere), what launch picks that depend on them read.
 * ``say_once(log, msg)``: the warning when a slower path is taken, once per process.
 * ``QUANT_DTYPES`` / ``fp8_reason(device)``: the weight dtypes the weight-only GEMV widens in
   registers (int8, fp8 e4m3fn / e5m2), and None when fp8 weights can be read on ``device``, else why not.
@@ -114,6 +116,21 @@ def pdl_reason(device) -> str | None:
 
 
 _SAID: set[str] = set()
+
+
+def device_limits(device: torch.device) -> tuple[int, int] | None:
+    """(SM count, shared memory a block may opt in to, in bytes) of a CUDA ``device``; None elsewhere
+    (the interpreter: no limit)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_limits(device_index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return props.multi_processor_count, smem
 
 
 def say_once(log: logging.Logger, msg: str) -> None:

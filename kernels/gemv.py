@@ -85,7 +85,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .capabilities import FP8_DTYPES, QUANT_DTYPES, fp8_reason, interpreting, pdl_reason, say_once, triton_device_reason
+from .capabilities import (
+    FP8_DTYPES,
+    QUANT_DTYPES,
+    device_limits,
+    fp8_reason,
+    interpreting,
+    pdl_reason,
+    say_once,
+    triton_device_reason,
+)
 from .convrot import hadamard, hadamard_rotate_torch
 from .overrides import EnvOverrides, entries, pow2_between
 from .pdl import enter, launch_args, trigger, wait
@@ -379,26 +388,35 @@ def load_overrides() -> dict:
     return overrides
 
 
-def _config(n: int, k: int, quant: bool = False, rows: int | None = None) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) of a launch of ``rows`` rows: ``CONFIG_ENV``'s
-    for (quant, n, k) when it names one (``load_overrides``, ``_override``), else
-    ``_default_config``'s measured pick."""
+def _config(n: int, k: int, quant: bool = False, rows: int | None = None, shared: int | None = None) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) of a launch of ``rows`` rows on a GPU whose
+    blocks may use ``shared`` bytes of shared memory (None: no limit): ``CONFIG_ENV``'s for (quant,
+    n, k) when it names one (``load_overrides``, ``_override``), else ``_default_config``'s
+    measured pick."""
     cfg = _override(quant, n, k, rows)[0]
-    return cfg if cfg is not None else _default_config(n, k, quant)
+    return cfg if cfg is not None else _default_config(n, k, quant, rows or 1, shared)
 
 
-def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) for N output columns in all over width K,
-    measured on an H200 at the 9B decode launches, 1 and 4 rows (``benchmarks/int8_gemv.py``,
-    results in ``benchmarks/results/int8_gemv_h200.json``). int8: 64 columns, 256-wide tiles for
-    16384 columns and more (gate+up, the 248k-row output projection at its floor); 32 columns,
-    512-wide tiles cut into 4 K slices, 3 stages, for a DeltaNet layer's four inputs (12352 columns:
-    16.7 us against 17.4 for 32 columns, 128-wide tiles, 5 stages) and the attention q/k/v (10240
-    columns: 16.3 against 19.5 for 256-wide tiles, 4 stages; 16.6 unsliced; with a Triton before
-    3.3, ``SLICES_REASON``, those unsliced tiles, said once); in the 9B int8 decode
-    step in ComfyUI 339.7 / 339.0 tok/s against 334.2 / 333.6 in two processes, q/k/v alone 336.2
-    sliced, 337.0 unsliced (``results/int8_gemv_h200_slices.json``); 2 warps for
-    at most 8192 columns: the MLP down projection (in the 9B int8 decode step in ComfyUI 332.8
+def _default_config(n: int, k: int, quant: bool = False, rows: int = 1, shared: int | None = None) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) for N output columns in all over width K and
+    ``rows`` rows (``shared``: the shared memory a block may use, None: no limit), measured on an
+    H200 at the 9B decode launches, 1 and 4 rows (``benchmarks/int8_gemv.py``, results in
+    ``benchmarks/results/int8_gemv_h200.json``). int8: 64 columns, 256-wide tiles for 16384
+    columns and more (gate+up, the 248k-row output projection at its floor); 32 columns, 512-wide
+    tiles cut into 4 K slices, 3 stages, for a DeltaNet layer's four inputs (12352 columns: 16.7 us
+    against 17.4 for 32 columns, 128-wide tiles, 5 stages) and the attention q/k/v (10240 columns:
+    16.3 against 19.5 for 256-wide tiles, 4 stages; 16.6 unsliced; with a Triton before 3.3,
+    ``SLICES_REASON``, those unsliced tiles, said once); in the 9B int8 decode step in ComfyUI
+    339.7 / 339.0 tok/s against 334.2 / 333.6 in two processes, q/k/v alone 336.2 sliced, 337.0
+    unsliced (``results/int8_gemv_h200_slices.json``). With more rows (an MTP verify's) the DeltaNet
+    inputs take the unsliced 128-wide tiles, 5 stages, where a block may use 160 KB of shared
+    memory (128 KB with Triton 3.9 compiled for sm_89, ``tests/consumer_step.py``; a 99 KB
+    consumer GPU keeps the sliced ones, 64 KB, rather than run them with fewer stages,
+    unmeasured): forced MTP-3 in the 9B int8 step in ComfyUI 861.8 against 848.2 tok/s, medians of
+    two interleaved in one process, measured at 4 rows (``results/comfy_e2e_h200_rows4.json``);
+    there q/k/v at the same tiles, the MLP down projection at 64 columns in 3 K ranges and the
+    output projection at 512-wide tiles were each slower (832.4, 808.9, 843.6). 2 warps for at
+    most 8192 columns: the MLP down projection (in the 9B int8 decode step in ComfyUI 332.8
     tok/s against 328.9 / 328.1 with 4 warps in one run, 335.8 / 335.7 against 330.8 / 330.4 in
     another, on the greedy token step) and the 4096x4096 outputs, DeltaNet out and attention o
     (336.5 / 337.0 / 336.6 against 334.2 / 334.6 / 334.7 with 4 warps, interleaved in one run;
@@ -417,6 +435,8 @@ def _default_config(n: int, k: int, quant: bool = False) -> tuple[int, ...]:
         if n >= 16384:
             return 64, 256, 4, 4
         if 8192 < n < 16384 and k < 8192:
+            if rows > 1 and n >= 11264 and (shared is None or shared >= 160 * 1024):  # a verify's DeltaNet inputs
+                return 32, 128, 4, 5
             if SLICES_REASON is None:
                 return 32, 512, 4, 3, 4
             say_once(log, f"gemv: {SLICES_REASON}; the DeltaNet inputs and attention q/k/v run with the unsliced "
@@ -544,7 +564,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
     ns = [w.shape[0] for w in weights]
     env_cfg = _override(quant, sum(ns), k, m)[0] if config is None else None
-    cfg = _config(sum(ns), k, quant, m) if config is None else config
+    limits = device_limits(x.device)
+    cfg = _config(sum(ns), k, quant, m, limits and limits[1]) if config is None else config
     block_n, block_k, warps, stages = cfg[:4]
     shrunk_key = (str(x.device), x.dtype, weights[0].dtype, tuple(cfg))
     stages = _SHRUNK.get(shrunk_key, stages)

@@ -15,11 +15,11 @@ memory check; none runs. Prints one JSON object: the Triton version, why launche
 launch config the pack picked; then a last call per cell whose explicit config (never shrunk)
 needs more shared memory than any GPU has: it must fail, or the check is not live.
 
-The pack's own checks see CPU tensors, so three seams stand in for the GPU: ``capabilities.
-interpreting`` (Triton may take CPU tensors), ``gemv._compiled`` (fp8 e4m3 with bf16 x takes the
-inline-PTX widening a GPU compiles) and ``attention_triton._device_limits`` (the SM count and shared
-memory of the fake GPU); for compute capability 9.0+, launches use programmatic dependent launch
-where this Triton has it, as on such a GPU.
+The pack's own checks see CPU tensors, so seams stand in for the GPU: ``capabilities.interpreting``
+(Triton may take CPU tensors), ``gemv._compiled`` (fp8 e4m3 with bf16 x takes the inline-PTX
+widening a GPU compiles) and ``attention_triton._device_limits`` / ``gemv.device_limits`` (the SM
+count and shared memory of the fake GPU); for compute capability 9.0+, launches use programmatic
+dependent launch where this Triton has it, as on such a GPU.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(spec: dict) -> dict:
 
     capabilities.interpreting = lambda: True  # the pack's checks: CPU tensors go to Triton
     gemv._compiled = lambda device: True
-    attention_triton._device_limits = lambda device: (gpu.sms, gpu.shared)
+    attention_triton._device_limits = gemv.device_limits = lambda device: (gpu.sms, gpu.shared)
     if spec["cc"] >= 90:
         pdl.pdl_reason = gemv.pdl_reason = lambda device: capabilities.triton_pdl_reason()
     warned = _Warnings()
@@ -121,7 +121,8 @@ def _step(call, torch, gemv, fused_ops, deltanet_step, attention_triton, argmax,
         ws, ss = _weights(torch, fmt, dt, shapes)
         call(f"{tag}: {name}", lambda: gemv.gemv_group(src, ws, scales=ss, split=split, row_norm=row_norm,
                                                        prefetch=prefetch, config=config),
-             picked=list(config or gemv._config(sum(s[0] for s in shapes), shapes[0][1], quant)))
+             picked=list(config or gemv._config(sum(s[0] for s in shapes), shapes[0][1], quant,
+                                                src.numel() // src.shape[-1], gemv.device_limits(src.device)[1])))
 
     def norm(name, residual, defer):
         out = []

@@ -31,13 +31,15 @@ HOPPER = 227 * 1024
 #: (compute capability, shared bytes, [(activation dtype, weight format)], rows): the Comfy-Org int8
 #: file in bf16 at the decode, MTP-3 verify and 8-row shapes; fp8, bf16 weights, fp16 and float32
 #: activations (``--fp32-text-enc``) at one row; a Blackwell consumer GPU and an H100 / H200 with
-#: programmatic dependent launch.
+#: programmatic dependent launch (int8 also at the verify's 4 rows, whose DeltaNet inputs pick tiles
+#: a consumer GPU does not fit).
 GPUS = {
     "sm_89": (89, CONSUMER, [["bfloat16", "int8"]], [1, 4, 8]),
     "sm_89 other formats": (89, CONSUMER, [["bfloat16", "fp8"], ["bfloat16", "float"], ["float16", "int8"],
                                            ["float32", "int8"]], [1]),
     "sm_120": (120, CONSUMER, [["bfloat16", "int8"]], [1, 4]),
     "sm_90": (90, HOPPER, [["bfloat16", "int8"], ["bfloat16", "float"]], [1]),
+    "sm_90 verify": (90, HOPPER, [["bfloat16", "int8"]], [4]),
 }
 
 
@@ -159,6 +161,21 @@ def test_a_gemv_with_fewer_stages_than_picked_says_so(compiled, name):
             assert said, f"{c['call']}: {picked} ran with {launch['stages']} stages and nothing said so: {warnings}"
         else:
             assert launch["stages"] == picked[3], (c["call"], picked, launch)
+
+
+@pytest.mark.parametrize("name", list(GPUS))
+def test_the_int8_deltanet_inputs_run_as_picked_at_every_row_count(compiled, name):
+    """The int8 file's largest grouped product (bf16 activations, ComfyUI's default) fits the GPU
+    as picked at 1, 4 and 8 rows: the verify's tiles, which need more shared memory than a consumer
+    GPU gives a block, are picked only where they fit, so a consumer GPU runs the tiles it was
+    measured with, not fewer stages of them."""
+    step, _ = _split(compiled[name])
+    calls = [c for c in step if c["call"].endswith(": DeltaNet inputs") and c["call"].startswith("bfloat16 int8 ")]
+    cells = [cell for cell in GPUS[name][2] if cell == ["bfloat16", "int8"]]
+    assert len(calls) == len(cells) * len(GPUS[name][3])
+    for c in calls:
+        (launch,) = c["launches"]
+        assert launch["stages"] == c["picked"][3], (c["call"], c["picked"], launch)
 
 
 def test_an_old_triton_compiles_the_step_without_k_slices(old_triton):

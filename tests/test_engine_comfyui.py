@@ -119,8 +119,8 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
         if fmt == "int8_convrot256" else {}
     sd, d = make_tiny(seed, strength=0.5, **wide)
     if wide:
-        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False: 2)
-        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False: (16, 64, 4, 2))  # 256 = 4 tiles: 2 partials
+        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False, *rest: 2)
+        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False, *rest: (16, 64, 4, 2))  # K 256: 2 partials
     group = 256 if wide else 16
     fp8 = getattr(torch, fmt) if fmt.startswith("float8") else None
     layout = None if fmt == "float" else (lambda sd: fp8_scaled(sd, fp8)) if fp8 else \

@@ -65,8 +65,8 @@ def split(request, monkeypatch):
     if request.param == "split-K":
         from qwen35_fast.kernels import fused_ops, gemv
 
-        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False: 3)
-        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False: (16, 32, 4, 2))
+        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False, *rest: 3)
+        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False, *rest: (16, 32, 4, 2))
         monkeypatch.setattr(fused_ops, "_NORM_SLICE", 16)  # 4 programs a row: 4 partial sums of squares
     return request.param
 

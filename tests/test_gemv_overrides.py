@@ -187,7 +187,7 @@ def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monke
     s = torch.rand(n, generator=rng) * 1e-3 + 1e-4
     ref = (x.double() @ q.double().T) * s.double()
     monkeypatch.setattr(gemv, "_SHRUNK", {})
-    monkeypatch.setattr(gemv, "_default_config", lambda n, k, quant=False: (16, 64, 4, 4, 2))
+    monkeypatch.setattr(gemv, "_default_config", lambda n, k, quant=False, *rest: (16, 64, 4, 4, 2))
     stages, fits = [], [2]
 
     def small_shared_memory(grid, args, kw):  # a GPU holding ``fits[0]`` stages: deeper launches fail
