@@ -141,7 +141,7 @@ def test_plan_launches_with_the_overrides(tiny, rng, monkeypatch):
 @pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
 def test_row_count_entries_apply_to_those_rows_only(tmp_path, test_seed, rng, monkeypatch):
     """``NxK@4``: the MTP-3 verify's 4-row launches (and the head's catch-up over them) take the
-    entry, the 1-row ones (decode, drafts) the entry without rows; same tokens as the module path."""
+    entry, the drafts' 1-row ones the entry without rows; same tokens as the module path."""
     sd, d = make_tiny(test_seed % 10_000, strength=0.2, vocab_size=64, hidden_size=64, num_hidden_layers=4)
     model = engine_model(add_mtp(sd, d, test_seed % 9_999, noise=0.02), tmp_path)
     h, inter = d["hidden_size"], d["intermediate_size"]
