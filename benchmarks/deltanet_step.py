@@ -9,7 +9,9 @@ With ``--rotate 256`` every launch also returns its output ConvRot-rotated, as a
 ``out_proj`` reads it: whole heads (1 block) pay a ``hadamard_rotate`` launch after the step, split
 value columns get it from the gated norm's kernel.
 
-Usage: python benchmarks/deltanet_step.py [--rows 1 4] [--rotate 256] [--json out.json]
+``--configs`` times only those launch configs (``BLOCKS,WARPS`` each; none: the current choice alone).
+
+Usage: python benchmarks/deltanet_step.py [--rows 1 4] [--rotate 256] [--configs 4,4 8,2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from qwen35_fast.kernels.deltanet_step import _config, gated_delta_step  # noqa:
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from benchmarks.timing import graph_replay_us  # noqa: E402
 
-CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]
+CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 2), (8, 4), (16, 2)]
 HK, HV, DK, DV, K = 16, 32, 128, 128, 4
 
 
@@ -57,10 +59,20 @@ def time_config(rows: int, config, n: int = 48, reps: int = 50, rotate: int = 0)
     return graph_replay_us(launch_all, calls=n, replays=reps, warm=1, warm_replays=0)
 
 
+def _blocks_warps(text: str) -> tuple[int, int]:
+    try:
+        blocks, warps = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCKS,WARPS such as 4,4") from None
+    return blocks, warps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--rotate", type=int, default=0, help="ConvRot group of the output (0: none)")
+    ap.add_argument("--configs", nargs="*", type=_blocks_warps, default=CONFIGS, metavar="BLOCKS,WARPS",
+                    help="launch configs to time besides the current choice (default: a sweep)")
     ap.add_argument("--json", default="deltanet_step.json")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -69,7 +81,7 @@ def main() -> None:
     out = {"copy_bw_Bps": bw, "rotate": args.rotate, "rows": []}
     for rows in args.rows:
         floor = (DK * DV * 4 * HV * (1 + rows)) / bw * 1e6
-        for config in [None] + CONFIGS:
+        for config in [None] + args.configs:
             us = time_config(rows, config, rotate=args.rotate)
             cfg = _config(DK, DV, rows, bool(args.rotate)) if config is None else config
             out["rows"].append({"rows": rows, "blocks": cfg[0], "warps": cfg[1], "tuned": config is None,

@@ -191,7 +191,7 @@ class FusedPlan:
                               f"measured defaults): {os.environ.get(module.CONFIG_ENV)}")
         cfg = binding.config
         probe = torch.empty(1, 1, cfg.conv_dim, dtype=dtype, device=device)
-        why = ops[1].step_reason(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        why = ops[1].step_reason(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.conv_kernel_size)
         if why is not None:
             return None, f"the fused DeltaNet kernel does not support this model: {why}"
         weights = binding.weights

@@ -7,7 +7,15 @@ and ``beta = sigmoid(b)``, the gated delta rule for each of the S rows (the ``[D
 state stays in registers; the state after every row is written out so a partly accepted MTP verify
 can keep any prefix, the last row's over the committed state itself when the caller asks), and the
 gated RMSNorm ``rms_norm(o) * w * silu(z)`` of the output. The conv window (old state followed by
-the new rows) is written out too, so the caller can commit any number of rows. The unfused torch
+the new rows) is written out too, so the caller can commit any number of rows. Each window column
+is loaded once (conv taps held in registers, the window sliding by one row per row), and row t+1's
+inputs are loaded before row t's state math and stores: a load that follows a store cannot move
+above it, so before, each row began with a full L2 round trip. Per launch on an H100
+(``benchmarks/deltanet_step.py``, before / after, processes interleaved): 4 rows rotated (an int8
+MTP-3 verify) 17.21 / 17.11 -> 15.16 / 15.07 us, 4 rows 13.76 -> 11.97, 1 row whole heads 5.30 ->
+4.97, 1 row rotated unchanged (5.70 / 5.66 -> 5.67 / 5.67); results bit-identical. The 9B int8
+file in ComfyUI on that H100: forced MTP-3 697.3 / 695.1 / 698.1 -> 704.2 / 698.3 / 704.0 tok/s,
+MTP off 278.7 / 278.7 / 278.7 -> 280.4 / 280.4 / 280.3 (three processes each). The unfused torch
 path (``engine/deltanet.py`` + the layer's modules) computes the same function; rounding points
 follow it: conv output and SiLU are rounded to the execution dtype, as is ``o`` before the norm and
 the normalised ``o`` before the gate. With programmatic dependent launch (``kernels/pdl.py``) the
@@ -86,18 +94,54 @@ def _round(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _conv_silu(QKV, CIN, CW, b, t: tl.constexpr, ch, sx_b, sx_s, sc_b, sc_c, K: tl.constexpr, DT: tl.constexpr):
-    """SiLU(conv) at row t for channels ``ch``: window column u < K-1 is the old conv state, else row u-(K-1)."""
-    acc = tl.zeros(ch.shape, dtype=tl.float32)
-    for j in tl.static_range(K):
-        w = tl.load(CW + ch * K + j).to(tl.float32)
-        if t + j < K - 1:
-            x = tl.load(CIN + b * sc_b + ch * sc_c + (t + j)).to(tl.float32)
-        else:
-            x = tl.load(QKV + b * sx_b + (t + j - (K - 1)) * sx_s + ch).to(tl.float32)
-        acc += w * x
+def _conv_silu(x, h1, h2, h3, w0, w1, w2, w3, K: tl.constexpr, DT: tl.constexpr):
+    """SiLU(conv) of one row: ``x`` the row's raw channels, h1..h3 the window's columns 1..3 before
+    it (old conv state or earlier rows), w_d the tap weight d columns back; taps summed oldest first."""
+    acc = tl.zeros(x.shape, dtype=tl.float32)
+    if K >= 4:
+        acc += w3 * h3.to(tl.float32)
+    if K >= 3:
+        acc += w2 * h2.to(tl.float32)
+    if K >= 2:
+        acc += w1 * h1.to(tl.float32)
+    acc += w0 * x.to(tl.float32)
     acc = _round(acc, DT)
     return _round(acc * tl.sigmoid(acc), DT)
+
+
+@triton.jit
+def _taps(CW, ch, K: tl.constexpr):
+    """The conv weights of channels ``ch`` as float32, d columns back for d = 0..3 (zeros past K)."""
+    w0 = tl.load(CW + ch * K + (K - 1)).to(tl.float32)
+    w1 = tl.zeros(w0.shape, dtype=tl.float32)
+    w2 = tl.zeros(w0.shape, dtype=tl.float32)
+    w3 = tl.zeros(w0.shape, dtype=tl.float32)
+    if K >= 2:
+        w1 = tl.load(CW + ch * K + (K - 2)).to(tl.float32)
+    if K >= 3:
+        w2 = tl.load(CW + ch * K + (K - 3)).to(tl.float32)
+    if K >= 4:
+        w3 = tl.load(CW + ch * K + (K - 4)).to(tl.float32)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _old_column(CIN, b, ch, sc_b, sc_c, d: tl.constexpr, K: tl.constexpr, WIN, sw_b, sw_c, mask):
+    """The old conv state's column d back from the first new row (d = 1..3; zeros past K - 1), also
+    written to the window out."""
+    x = tl.zeros(ch.shape, dtype=CIN.dtype.element_ty)
+    if d <= K - 1:
+        x = tl.load(CIN + b * sc_b + ch * sc_c + (K - 1 - d))
+        tl.store(WIN + b * sw_b + ch * sw_c + (K - 1 - d), x, mask=mask)
+    return x
+
+
+@triton.jit
+def _new_column(QKV, b, t, ch, sx_b, sx_s, K: tl.constexpr, WIN, sw_b, sw_c, mask):
+    """Row t's raw channels ``ch``, also written to the window out (column K - 1 + t)."""
+    x = tl.load(QKV + b * sx_b + t * sx_s + ch)
+    tl.store(WIN + b * sw_b + ch * sw_c + (K - 1 + t), x, mask=mask)
+    return x
 
 
 @triton.jit
@@ -133,30 +177,48 @@ def _step_kernel(
     nw = tl.load(NW + offs_v)
     wait(PDL)
 
-    # Conv window out: old state then the new rows (q/k channels written by the first value head of
-    # each key head, v channels by every head).
+    # The conv window, each column loaded once and written to the window out as it is read (q/k
+    # channels by the first value head of each key head, v channels by every head): the K-1 old
+    # columns first, then each row's. Row t+1's inputs are loaded before row t's state math and
+    # stores, so their latency hides behind it (a load that follows a store cannot move above it).
     first = (offs_k + ((h % REP) + vb) * DK) < DK  # all true in program (first value head of the key head, vb 0)
-    for u in tl.static_range(K - 1 + S):
-        if u < K - 1:
-            qv = tl.load(CIN + b * sc_b + q_ch * sc_c + u)
-            kv = tl.load(CIN + b * sc_b + k_ch * sc_c + u)
-            vv = tl.load(CIN + b * sc_b + v_ch * sc_c + u)
-        else:
-            qv = tl.load(QKV + b * sx_b + (u - (K - 1)) * sx_s + q_ch)
-            kv = tl.load(QKV + b * sx_b + (u - (K - 1)) * sx_s + k_ch)
-            vv = tl.load(QKV + b * sx_b + (u - (K - 1)) * sx_s + v_ch)
-        tl.store(WIN + b * sw_b + q_ch * sw_c + u, qv, mask=first)
-        tl.store(WIN + b * sw_b + k_ch * sw_c + u, kv, mask=first)
-        tl.store(WIN + b * sw_b + v_ch * sw_c + u, vv)
+    every = offs_v >= 0
+    wq0, wq1, wq2, wq3 = _taps(CW, q_ch, K)
+    wk0, wk1, wk2, wk3 = _taps(CW, k_ch, K)
+    wv0, wv1, wv2, wv3 = _taps(CW, v_ch, K)
+    q3 = _old_column(CIN, b, q_ch, sc_b, sc_c, 3, K, WIN, sw_b, sw_c, first)
+    k3 = _old_column(CIN, b, k_ch, sc_b, sc_c, 3, K, WIN, sw_b, sw_c, first)
+    v3 = _old_column(CIN, b, v_ch, sc_b, sc_c, 3, K, WIN, sw_b, sw_c, every)
+    q2 = _old_column(CIN, b, q_ch, sc_b, sc_c, 2, K, WIN, sw_b, sw_c, first)
+    k2 = _old_column(CIN, b, k_ch, sc_b, sc_c, 2, K, WIN, sw_b, sw_c, first)
+    v2 = _old_column(CIN, b, v_ch, sc_b, sc_c, 2, K, WIN, sw_b, sw_c, every)
+    q1 = _old_column(CIN, b, q_ch, sc_b, sc_c, 1, K, WIN, sw_b, sw_c, first)
+    k1 = _old_column(CIN, b, k_ch, sc_b, sc_c, 1, K, WIN, sw_b, sw_c, first)
+    v1 = _old_column(CIN, b, v_ch, sc_b, sc_c, 1, K, WIN, sw_b, sw_c, every)
+    qn = _new_column(QKV, b, 0, q_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
+    kn = _new_column(QKV, b, 0, k_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
+    vn = _new_column(QKV, b, 0, v_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, every)
+    a_n = tl.load(A + b * sa_b + h)
+    b_n = tl.load(BETA + b * sb_b + h)
 
     for t in tl.static_range(S):
-        q = _conv_silu(QKV, CIN, CW, b, t, q_ch, sx_b, sx_s, sc_b, sc_c, K, DT)
-        k = _conv_silu(QKV, CIN, CW, b, t, k_ch, sx_b, sx_s, sc_b, sc_c, K, DT)
-        v = _conv_silu(QKV, CIN, CW, b, t, v_ch, sx_b, sx_s, sc_b, sc_c, K, DT)
+        qx, kx, vx, a_in, b_in = qn, kn, vn, a_n.to(tl.float32), b_n.to(tl.float32)
+        if BV == DV:
+            z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs_v).to(tl.float32)
+        if t + 1 < S:
+            qn = _new_column(QKV, b, t + 1, q_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
+            kn = _new_column(QKV, b, t + 1, k_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
+            vn = _new_column(QKV, b, t + 1, v_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, every)
+            a_n = tl.load(A + b * sa_b + (t + 1) * sa_s + h)
+            b_n = tl.load(BETA + b * sb_b + (t + 1) * sb_s + h)
+        q = _conv_silu(qx, q1, q2, q3, wq0, wq1, wq2, wq3, K, DT)
+        k = _conv_silu(kx, k1, k2, k3, wk0, wk1, wk2, wk3, K, DT)
+        v = _conv_silu(vx, v1, v2, v3, wv0, wv1, wv2, wv3, K, DT)
+        q3, q2, q1 = q2, q1, qx
+        k3, k2, k1 = k2, k1, kx
+        v3, v2, v1 = v2, v1, vx
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        a_in = tl.load(A + b * sa_b + t * sa_s + h).to(tl.float32)
-        b_in = tl.load(BETA + b * sb_b + t * sb_s + h).to(tl.float32)
         decay = tl.exp(neg_a * _softplus(a_in + dt_bias))
         beta = tl.sigmoid(b_in)
 
@@ -173,7 +235,6 @@ def _step_kernel(
         if BV == DV:
             o = _round(o, DT)
             n = _round(o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps) * nw, DT)
-            z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs_v).to(tl.float32)
             y = n * (z * tl.sigmoid(z))
             tl.store(OUT + b * so_b + t * so_s + h * DV + offs_v, y.to(DT))
         else:
@@ -210,6 +271,8 @@ def _gated_norm_kernel(OUT, Z, NW, OROT, so_b, so_s, sz_b, sz_s, eps, HV: tl.con
         tl.store(OROT + (b * S + t) * (HV * DV) + tl.trans(offs), convrot_rows(y, ROT, R, IEEE).to(DT))
 
 
+#: The most conv taps ``_step_kernel`` keeps (its window holds the current row and three before it).
+MAX_CONV_KERNEL = 4
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -217,8 +280,10 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def step_reason(qkv: torch.Tensor, key_head_dim: int, value_head_dim: int) -> str | None:
+def step_reason(qkv: torch.Tensor, key_head_dim: int, value_head_dim: int, conv_kernel: int = 4) -> str | None:
     """None when ``gated_delta_step`` supports these inputs, else why not (one line)."""
+    if not 1 <= conv_kernel <= MAX_CONV_KERNEL:
+        return f"a conv kernel of {conv_kernel} taps (1 to {MAX_CONV_KERNEL}; Qwen3.5's have 4)"
     if qkv.dtype not in _TL_DTYPES:
         return f"dtype {qkv.dtype} (float32, float16 or bfloat16 only)"
     if not (_pow2(key_head_dim) and _pow2(value_head_dim)):
@@ -259,7 +324,7 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
     dk, dv = state.shape[-2], state.shape[-1]
     kernel = conv_weight.shape[-1]
     key_dim = key_heads * dk
-    why = step_reason(qkv, dk, dv)
+    why = step_reason(qkv, dk, dv, kernel)
     if why is not None:
         raise ValueError(f"gated_delta_step: unsupported input: {why}; use the torch path (engine/deltanet.py)")
     if hv % key_heads or c != 2 * key_dim + hv * dv:
@@ -346,8 +411,14 @@ def _config(dk: int, dv: int, rows: int, rotate: bool = False) -> tuple[int, int
     warps 10.0); 4 rows, 4 column blocks with 4 warps 12.8 us (whole heads, 8 warps 50.6): more
     programs hide the serial row chain, 4 warps keep the state tile out of local memory. ``rotate``
     (the gated norm's kernel writes a ConvRot-256 output): 1 row, 4 column blocks + that kernel
-    5.9 us against 8.0 for whole heads + a rotation launch (``--rotate 256``). ``CONFIG_ENV`` may
-    name another (checked against Dv at launch)."""
+    5.9 us against 8.0 for whole heads + a rotation launch (``--rotate 256``). Measured and not
+    taken, with row t+1's inputs loaded early (H100, ``results/deltanet_step_warps_h100*.json``):
+    fewer warps per program, down to one (so the sums over Dk need no shared memory). Per launch
+    4 rows rotated ran 12.5 us at 8 blocks of 1 warp against 13.1 for the pick, yet the 9B int8
+    file in ComfyUI (``comfy_e2e.py --variants``, medians of two) ran forced MTP-3 at 677.9 tok/s
+    with 8 blocks of 1 warp, 689.2 with 16, 700.6 with 16 at 4 rows only, against 701.0 with the
+    picks, and MTP off at 276.9 / 275.6 against 278.9; earlier 8 blocks of 2 warps 701.3 against
+    704.2. ``CONFIG_ENV`` may name another (checked against Dv at launch)."""
     if (rows, rotate) in _OVERRIDES.values:
         return _OVERRIDES.values[(rows, rotate)]
     if dv % 4 or dv // 4 < 16:

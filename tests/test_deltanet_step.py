@@ -83,6 +83,7 @@ SHAPES = [  # B, S, Hk, Hv, Dk, Dv, K
     (1, 4, 2, 4, 32, 16, 4),
     (2, 3, 1, 3, 16, 32, 3),
     (1, 8, 2, 2, 16, 16, 4),
+    (1, 3, 1, 2, 16, 16, 2),
 ]
 
 
@@ -184,6 +185,9 @@ def test_bad_inputs(rng):
     bad[8] = torch.zeros(1, 4, 12, 12)
     with pytest.raises(ValueError, match="powers of two"):
         run(bad, 1e-6, 2)
+    wide = list(make(rng, 1, 2, 2, 4, 16, 16, 5, torch.float32))
+    with pytest.raises(ValueError, match="conv kernel of 5 taps"):
+        run(wide, 1e-6, 2)
 
 
 @pytest.mark.gpu
