@@ -247,6 +247,17 @@ def test_plan_refuses_unknown_modules(model, rng):
         generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, fused="yes")
 
 
+def test_plan_refuses_a_conv_wider_than_the_step_kernel_keeps(tmp_path, test_seed):
+    """A DeltaNet conv of 5 taps (the fused step keeps 4): no plan, and the reason names the taps,
+    also where the caller asked for the fused path."""
+    sd, d = make_tiny(test_seed % 10_000, strength=0.3, vocab_size=64, conv_kernel_size=5)
+    model = engine_model(sd, tmp_path)
+    plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
+    assert plan is None and "conv kernel of 5 taps" in why, why
+    with pytest.raises(Qwen35Error, match="conv kernel of 5 taps"):
+        generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, mtp="off", fused=True)
+
+
 def test_every_generation_says_its_decode_path(model, caplog):
     """One INFO line per generation names the decode path, with the reason when it is the module path."""
     model, d = model
