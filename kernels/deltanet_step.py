@@ -126,22 +126,33 @@ def _taps(CW, ch, K: tl.constexpr):
 
 
 @triton.jit
-def _old_column(CIN, b, ch, sc_b, sc_c, d: tl.constexpr, K: tl.constexpr, WIN, sw_b, sw_c, mask):
-    """The old conv state's column d back from the first new row (d = 1..3; zeros past K - 1), also
-    written to the window out."""
-    x = tl.zeros(ch.shape, dtype=CIN.dtype.element_ty)
+def _old_columns(CIN, b, q_ch, k_ch, v_ch, sc_b, sc_c, d: tl.constexpr, K: tl.constexpr, WIN, sw_b, sw_c, first):
+    """The old conv state's column d back from the first new row (d = 1..3; zeros past K - 1) of the
+    q, k and v channels, also written to the window out (q/k where ``first``, v always)."""
+    q = tl.zeros(q_ch.shape, dtype=CIN.dtype.element_ty)
+    k = tl.zeros(k_ch.shape, dtype=CIN.dtype.element_ty)
+    v = tl.zeros(v_ch.shape, dtype=CIN.dtype.element_ty)
     if d <= K - 1:
-        x = tl.load(CIN + b * sc_b + ch * sc_c + (K - 1 - d))
-        tl.store(WIN + b * sw_b + ch * sw_c + (K - 1 - d), x, mask=mask)
-    return x
+        q = tl.load(CIN + b * sc_b + q_ch * sc_c + (K - 1 - d))
+        k = tl.load(CIN + b * sc_b + k_ch * sc_c + (K - 1 - d))
+        v = tl.load(CIN + b * sc_b + v_ch * sc_c + (K - 1 - d))
+        tl.store(WIN + b * sw_b + q_ch * sw_c + (K - 1 - d), q, mask=first)
+        tl.store(WIN + b * sw_b + k_ch * sw_c + (K - 1 - d), k, mask=first)
+        tl.store(WIN + b * sw_b + v_ch * sw_c + (K - 1 - d), v)
+    return q, k, v
 
 
 @triton.jit
-def _new_column(QKV, b, t, ch, sx_b, sx_s, K: tl.constexpr, WIN, sw_b, sw_c, mask):
-    """Row t's raw channels ``ch``, also written to the window out (column K - 1 + t)."""
-    x = tl.load(QKV + b * sx_b + t * sx_s + ch)
-    tl.store(WIN + b * sw_b + ch * sw_c + (K - 1 + t), x, mask=mask)
-    return x
+def _new_columns(QKV, b, t, q_ch, k_ch, v_ch, sx_b, sx_s, K: tl.constexpr, WIN, sw_b, sw_c, first):
+    """Row t's raw q, k and v channels, also written to the window out (column K - 1 + t; q/k where
+    ``first``, v always)."""
+    q = tl.load(QKV + b * sx_b + t * sx_s + q_ch)
+    k = tl.load(QKV + b * sx_b + t * sx_s + k_ch)
+    v = tl.load(QKV + b * sx_b + t * sx_s + v_ch)
+    tl.store(WIN + b * sw_b + q_ch * sw_c + (K - 1 + t), q, mask=first)
+    tl.store(WIN + b * sw_b + k_ch * sw_c + (K - 1 + t), k, mask=first)
+    tl.store(WIN + b * sw_b + v_ch * sw_c + (K - 1 + t), v)
+    return q, k, v
 
 
 @triton.jit
@@ -182,22 +193,13 @@ def _step_kernel(
     # columns first, then each row's. Row t+1's inputs are loaded before row t's state math and
     # stores, so their latency hides behind it (a load that follows a store cannot move above it).
     first = (offs_k + ((h % REP) + vb) * DK) < DK  # all true in program (first value head of the key head, vb 0)
-    every = offs_v >= 0
     wq0, wq1, wq2, wq3 = _taps(CW, q_ch, K)
     wk0, wk1, wk2, wk3 = _taps(CW, k_ch, K)
     wv0, wv1, wv2, wv3 = _taps(CW, v_ch, K)
-    q3 = _old_column(CIN, b, q_ch, sc_b, sc_c, 3, K, WIN, sw_b, sw_c, first)
-    k3 = _old_column(CIN, b, k_ch, sc_b, sc_c, 3, K, WIN, sw_b, sw_c, first)
-    v3 = _old_column(CIN, b, v_ch, sc_b, sc_c, 3, K, WIN, sw_b, sw_c, every)
-    q2 = _old_column(CIN, b, q_ch, sc_b, sc_c, 2, K, WIN, sw_b, sw_c, first)
-    k2 = _old_column(CIN, b, k_ch, sc_b, sc_c, 2, K, WIN, sw_b, sw_c, first)
-    v2 = _old_column(CIN, b, v_ch, sc_b, sc_c, 2, K, WIN, sw_b, sw_c, every)
-    q1 = _old_column(CIN, b, q_ch, sc_b, sc_c, 1, K, WIN, sw_b, sw_c, first)
-    k1 = _old_column(CIN, b, k_ch, sc_b, sc_c, 1, K, WIN, sw_b, sw_c, first)
-    v1 = _old_column(CIN, b, v_ch, sc_b, sc_c, 1, K, WIN, sw_b, sw_c, every)
-    qn = _new_column(QKV, b, 0, q_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
-    kn = _new_column(QKV, b, 0, k_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
-    vn = _new_column(QKV, b, 0, v_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, every)
+    q3, k3, v3 = _old_columns(CIN, b, q_ch, k_ch, v_ch, sc_b, sc_c, 3, K, WIN, sw_b, sw_c, first)
+    q2, k2, v2 = _old_columns(CIN, b, q_ch, k_ch, v_ch, sc_b, sc_c, 2, K, WIN, sw_b, sw_c, first)
+    q1, k1, v1 = _old_columns(CIN, b, q_ch, k_ch, v_ch, sc_b, sc_c, 1, K, WIN, sw_b, sw_c, first)
+    qn, kn, vn = _new_columns(QKV, b, 0, q_ch, k_ch, v_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
     a_n = tl.load(A + b * sa_b + h)
     b_n = tl.load(BETA + b * sb_b + h)
 
@@ -206,9 +208,7 @@ def _step_kernel(
         if BV == DV:
             z = tl.load(Z + b * sz_b + t * sz_s + h * DV + offs_v).to(tl.float32)
         if t + 1 < S:
-            qn = _new_column(QKV, b, t + 1, q_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
-            kn = _new_column(QKV, b, t + 1, k_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
-            vn = _new_column(QKV, b, t + 1, v_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, every)
+            qn, kn, vn = _new_columns(QKV, b, t + 1, q_ch, k_ch, v_ch, sx_b, sx_s, K, WIN, sw_b, sw_c, first)
             a_n = tl.load(A + b * sa_b + (t + 1) * sa_s + h)
             b_n = tl.load(BETA + b * sb_b + (t + 1) * sb_s + h)
         q = _conv_silu(qx, q1, q2, q3, wq0, wq1, wq2, wq3, K, DT)
