@@ -280,7 +280,7 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def step_reason(qkv: torch.Tensor, key_head_dim: int, value_head_dim: int, conv_kernel: int = 4) -> str | None:
+def step_reason(qkv: torch.Tensor, key_head_dim: int, value_head_dim: int, conv_kernel: int) -> str | None:
     """None when ``gated_delta_step`` supports these inputs, else why not (one line)."""
     if not 1 <= conv_kernel <= MAX_CONV_KERNEL:
         return f"a conv kernel of {conv_kernel} taps (1 to {MAX_CONV_KERNEL}; Qwen3.5's have 4)"
