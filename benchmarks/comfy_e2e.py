@@ -480,7 +480,7 @@ def launches(kind: str, env: dict[str, str] | None = None):
 
 #: The settings a generation reads when it builds its plan, so a ``--variants`` row can change them.
 VARIANT_ENV = ("QWEN35_FAST_GEMV_CONFIG", "QWEN35_FAST_DELTANET_CONFIG", "QWEN35_FAST_ATTENTION_CONFIG",
-               "QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_PDL")
+               "QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_L2_PREFETCH_MIXER_KB", "QWEN35_FAST_PDL")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:

@@ -166,6 +166,7 @@ class FusedPlan:
         self._rotated: tuple | None = None
         self.embedding: torch.Tensor | None = None  # the embedding table read in place, or None
         self.prefetch: dict[int, torch.Tensor] = {}  # see _prefetch_chain
+        self.prefetch_bytes: dict[int, int] = {}  # links whose prefetch is not PREFETCH_BYTES long
 
     @classmethod
     def build(cls, binding, device, dtype: torch.dtype) -> tuple[FusedPlan | None, str | None]:
@@ -251,6 +252,8 @@ class FusedPlan:
                          if all(id(m) in linears for m in readers)}
         plan.embedding = _embedding_table(weights, binding.transformer.embed_tokens, device)
         plan.prefetch = plan._prefetch_chain(binding)
+        plan.prefetch_bytes = {key: gemv.MIXER_PREFETCH_BYTES for key in plan._mixer_inputs(binding)
+                               if key in plan.prefetch}
         return plan, None
 
     def _prefetch_chain(self, binding) -> dict[int, torch.Tensor]:
@@ -272,6 +275,14 @@ class FusedPlan:
             if pa is not None and pb is not None:
                 out[id(a)] = pb.weight
         return out
+
+    @staticmethod
+    def _mixer_inputs(binding) -> list[int]:
+        """``id`` of each layer's mixer input product (DeltaNet ``in_proj_qkv``, attention ``q_proj``),
+        whose successor in the chain, the mixer's output projection, runs after the mixer itself."""
+        cfg = binding.config
+        return [id(layer.linear_attn.in_proj_qkv if cfg.layer_types[i] == "linear_attention"
+                   else layer.self_attn.q_proj) for i, layer in enumerate(binding.layers)]
 
     def _rotation_of(self, modules) -> int:
         """The ConvRot group size of the first int8 ConvRot projection among ``modules`` (0: none)."""
@@ -326,7 +337,8 @@ class FusedPlan:
         if plain is None:
             return module(x)
         split = self._split(plain, x.numel() // x.shape[-1]) if into_norm else 1
-        return linear_rows(x, plain, rotated=rotated, split=split, prefetch=self.prefetch.get(id(module)))
+        return linear_rows(x, plain, rotated=rotated, split=split, prefetch=self.prefetch.get(id(module)),
+                           prefetch_bytes=self.prefetch_bytes.get(id(module)))
 
     def _split(self, plain, rows: int) -> int:
         from ..kernels import gemv
@@ -339,12 +351,13 @@ class FusedPlan:
         norm output (``norm``), whose factor the GEMV applies."""
         plains = [self.linears.get(id(m)) for m in modules]
         if all(p is not None for p in plains):
-            nxt = self.prefetch.get(id(modules[0]))
+            nxt, nbytes = self.prefetch.get(id(modules[0])), self.prefetch_bytes.get(id(modules[0]))
             if isinstance(x, Deferred):
-                return linear_group(x.rows, plains, rotated=x.rotated, row_norm=x.norm, prefetch=nxt)
+                return linear_group(x.rows, plains, rotated=x.rotated, row_norm=x.norm, prefetch=nxt,
+                                    prefetch_bytes=nbytes)
             last = self._rotated
             rotated = (last[1], last[2]) if last is not None and last[0] is x else None
-            return linear_group(x, plains, rotated=rotated, prefetch=nxt)
+            return linear_group(x, plains, rotated=rotated, prefetch=nxt, prefetch_bytes=nbytes)
         if isinstance(x, Deferred):  # a module reads it: the norm's output itself
             x = x.materialize()
         return [self.lin(m, x) for m in modules]

@@ -52,7 +52,7 @@ def _kernels():
 
 def linear_rows(x: torch.Tensor, w: PlainLinear, *, rotated: tuple[int, torch.Tensor] | None = None,
                 split: int = 1, row_norm: RowNorm | None = None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                prefetch: torch.Tensor | None = None, prefetch_bytes: int | None = None) -> torch.Tensor:
     """x ``[..., K]`` (at most 16 rows in all, execution dtype) -> ``[..., N]`` in x's dtype.
     ``rotated`` and ``row_norm`` as for ``linear_group``. ``split=P > 1`` with a bias-free weight the
     GEMV takes: float32 partial products ``[P', ..., N]`` over K ranges instead
@@ -62,8 +62,10 @@ def linear_rows(x: torch.Tensor, w: PlainLinear, *, rotated: tuple[int, torch.Te
     if split > 1 and w.bias is None and gemv.gemv_reason(x, w.weight, w.scale) is None:
         src, rot = _source(x, w.convrot, rotated)
         return gemv.gemv_group(src, [w.weight], scales=None if w.scale is None else [w.scale], convrot=rot,
-                               split=split, row_norm=row_norm, prefetch=prefetch)[0]
-    return linear_group(x, [w], rotated=rotated, row_norm=row_norm, prefetch=prefetch)[0]
+                               split=split, row_norm=row_norm, prefetch=prefetch,
+                               prefetch_bytes=prefetch_bytes)[0]
+    return linear_group(x, [w], rotated=rotated, row_norm=row_norm, prefetch=prefetch,
+                        prefetch_bytes=prefetch_bytes)[0]
 
 
 def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, int]:
@@ -75,7 +77,8 @@ def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | Non
 
 def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
                  rotated: tuple[int, torch.Tensor] | None = None,
-                 row_norm: RowNorm | None = None, prefetch: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 row_norm: RowNorm | None = None, prefetch: torch.Tensor | None = None,
+                 prefetch_bytes: int | None = None) -> list[torch.Tensor]:
     """``[linear_rows(x, w) for w in weights]`` as few launches: the Triton GEMV takes up to four
     weights of one kind per launch (int8 of one ConvRot group size, x rotated once for them; fp8 of
     one format; or weights in x's dtype); weights it cannot take (another dtype) go through ``F.linear``.
@@ -83,7 +86,8 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
     G (by the kernel that produced x): the ConvRot-G weights read x_rot, no rotation launch.
     ``row_norm``: x (and x_rot) is an RMSNorm's output without its per-row factor
     (``kernels/row_norm.py``): every product is multiplied by it before the bias. ``prefetch``: the
-    next product's weight, for the last GEMV launch to ask L2 for (``gemv_group(prefetch=)``)."""
+    next product's weight, for the last GEMV launch to ask L2 for (``gemv_group(prefetch=)``; its first
+    ``prefetch_bytes``, default ``kernels.gemv.PREFETCH_BYTES``)."""
     gemv = _kernels()
     outs: list[torch.Tensor | None] = [None] * len(weights)
     kinds: dict[tuple, list[int]] = {}
@@ -105,7 +109,8 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
         last = n == len(launches) - 1  # the launch the next product follows: it alone prefetches
         ys = gemv.gemv_group(src, [weights[i].weight for i in part],
                              scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
-                             convrot=rot, row_norm=row_norm, prefetch=prefetch if last else None)
+                             convrot=rot, row_norm=row_norm, prefetch=prefetch if last else None,
+                             prefetch_bytes=prefetch_bytes)
         for i, y in zip(part, ys):
             b = weights[i].bias
             outs[i] = y if b is None else y + b

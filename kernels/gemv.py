@@ -44,7 +44,12 @@ each, interleaved: 323.8 / 324.0 tok/s without, 326.8 / 326.9 with 8 MB, 326.0 /
 318.8 / 318.7 with 16 MB; 323.4 against 325.0 on another machine. Measured and not taken: the small
 kernels issuing the same prefetch themselves after their own loads (4 MB: 275 tok/s, 8 MB: 235:
 their few programs cannot issue that many lines quickly, and the product waits for them), or
-through 128 prefetch-only programs of their own (8 MB: 310.5 against 323.4).
+through 128 prefetch-only programs of their own (8 MB: 310.5 against 323.4). A mixer's input
+product may ask for a length of its own (``MIXER_PREFETCH_BYTES``, ``gemv_group(prefetch_bytes=)``):
+the DeltaNet step or the attention runs before the mixer's output product, with DRAM otherwise
+idle, long enough to fetch a whole int8 output weight; an instrument for in-step measurements
+(``benchmarks/comfy_e2e.py --variants``), by default the 8 MB of every other link, longer ones not
+yet measured.
 
 What was measured slower on an H200 and removed (``benchmarks/int8_gemv.py``): int8 widened to bf16
 by a longer integer sequence than Triton's own (Triton 3.6 already widens without the conversion
@@ -113,6 +118,7 @@ __all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "gemv", "gemv_group", "gemv_reason", "h
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
 _PREFETCH_ENV = "QWEN35_FAST_L2_PREFETCH_KB"
+_MIXER_PREFETCH_ENV = "QWEN35_FAST_L2_PREFETCH_MIXER_KB"
 
 
 def _slices_reason() -> str | None:
@@ -131,19 +137,32 @@ def _slices_reason() -> str | None:
 SLICES_REASON = _slices_reason()
 
 
-def _prefetch_bytes() -> int:
-    """``_PREFETCH_ENV`` (KB, default 8192) in bytes; ValueError naming it when it is no number."""
-    kb = os.environ.get(_PREFETCH_ENV, "8192")
+def _prefetch_bytes(env: str = _PREFETCH_ENV, default: str = "8192") -> int:
+    """``env`` (KB) in bytes; ValueError naming it when it is no number."""
+    kb = os.environ.get(env, default)
     try:
         return int(kb) << 10
     except ValueError:
-        raise ValueError(f"{_PREFETCH_ENV}={kb!r} is not a whole number of KB (0 turns it off)") from None
+        raise ValueError(f"{env}={kb!r} is not a whole number of KB (0 turns it off)") from None
+
+
+def _prefetch_lengths() -> tuple[int, int]:
+    """(``PREFETCH_BYTES``, ``MIXER_PREFETCH_BYTES``) from the environment; ValueError naming the
+    variable whose value is no number."""
+    prefetch = _prefetch_bytes()
+    return prefetch, _prefetch_bytes(_MIXER_PREFETCH_ENV, str(prefetch >> 10))
 
 
 #: Bytes of the next product's weight a product asks L2 for (``gemv_group(prefetch=)``): 8 MB measured
-#: best of 4, 8 and 16 (``QWEN35_FAST_L2_PREFETCH_KB`` overrides; 0 turns it off; read again by
-#: ``load_overrides``).
-PREFETCH_BYTES = _prefetch_bytes()
+#: best of 4, 8 and 16 (``QWEN35_FAST_L2_PREFETCH_KB`` overrides; 0 turns it off). And the bytes of a
+#: mixer's output projection weight its input product asks for (the DeltaNet step or the attention
+#: runs between the two, with DRAM otherwise idle): ``QWEN35_FAST_L2_PREFETCH_MIXER_KB``, by default
+#: ``PREFETCH_BYTES``. Both read again by ``load_overrides`` (each plan), which refuses a value that is
+#: no number; on import such a value leaves the defaults, so the pack still loads and the plan says why.
+try:
+    PREFETCH_BYTES, MIXER_PREFETCH_BYTES = _prefetch_lengths()
+except ValueError:
+    PREFETCH_BYTES = MIXER_PREFETCH_BYTES = 8192 << 10
 
 #: Launch overrides for in-step measurements (``load_overrides``): entries ``KIND:NxK=BN,BK,WARPS,STAGES``,
 #: ``KIND:NxK=/SPLIT`` or both (``KIND:NxK=BN,BK,WARPS,STAGES/SPLIT``), separated by ``;``. KIND is
@@ -378,13 +397,14 @@ _OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
 
 
 def load_overrides() -> dict:
-    """Read ``CONFIG_ENV`` (and ``QWEN35_FAST_L2_PREFETCH_KB``) again; ``FusedPlan.build`` calls it
-    for each generation, so launches captured after it use the new values. Returns the overrides in
-    force; ValueError (``parse_overrides``) leaves the previous ones in force."""
-    global PREFETCH_BYTES
-    prefetch = _prefetch_bytes()  # both read before either is set
+    """Read ``CONFIG_ENV`` (and the two prefetch lengths, ``_prefetch_lengths``) again;
+    ``FusedPlan.build`` calls it for each generation, so launches captured after it use the new
+    values. Returns the overrides in force; ValueError (``parse_overrides``, ``_prefetch_bytes``)
+    leaves the previous values in force."""
+    global PREFETCH_BYTES, MIXER_PREFETCH_BYTES
+    lengths = _prefetch_lengths()  # all read before any is set
     overrides = _OVERRIDES.load()
-    PREFETCH_BYTES = prefetch
+    PREFETCH_BYTES, MIXER_PREFETCH_BYTES = lengths
     return overrides
 
 
@@ -523,7 +543,7 @@ def hadamard_cached(group: int, device: torch.device, dtype: torch.dtype) -> tor
 def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[torch.Tensor] | None = None,
                convrot: int = 0, config: tuple[int, int, int, int] | None = None,
                split: int = 1, row_norm: RowNorm | None = None,
-               prefetch: torch.Tensor | None = None) -> list[torch.Tensor]:
+               prefetch: torch.Tensor | None = None, prefetch_bytes: int | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch (1..4 weights ``[N_i, K]``, row-major, one dtype).
 
     x ``[..., K]`` (bf16/fp16/fp32) with at most 16 rows in all. Weights in x's dtype, or int8 / fp8
@@ -540,7 +560,8 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
     every product's float32 accumulator (each partial's, with ``split``) is multiplied by the
     factor before the output is rounded. ``prefetch``: the weight (any dtype, contiguous) the next
     product will stream; each program, once its own product is stored, asks L2 for its share of
-    that weight's first ``PREFETCH_BYTES`` (see the module docstring; nothing else changes).
+    that weight's first ``PREFETCH_BYTES`` (``prefetch_bytes`` when given; see the module docstring;
+    nothing else changes).
     """
     if split < 1:
         raise ValueError(f"gemv_group: split must be >= 1, got {split}")
@@ -584,7 +605,7 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
         total += triton.cdiv(n, block_n)
         ends.append(total)
     pad = MAX_GROUP - len(weights)
-    pf = _prefetch_args(prefetch, x.device) or (x2, 0)
+    pf = _prefetch_args(prefetch, x.device, prefetch_bytes) or (x2, 0)
     ws = [w.view(torch.uint8) for w in weights] if fp8 else list(weights)  # fp8 as bytes, bitcast in the kernel
     ws, ys, ss = ws + [ws[0]] * pad, outs + [outs[0]] * pad, ss + [ss[0]] * pad
     nn, ee = ns + [0] * pad, (ends + [total] * pad)[:3]
@@ -654,15 +675,17 @@ def _fewer_stages(exc: Exception, cfg: tuple, stages: int, explicit: bool, from_
     return stages - 1
 
 
-def _prefetch_args(w: torch.Tensor | None, device: torch.device) -> tuple | None:
-    """The kernel's (PF, n_pf) for ``gemv_group(prefetch=w)``: w's first ``PREFETCH_BYTES`` as
+def _prefetch_args(w: torch.Tensor | None, device: torch.device, nbytes: int | None = None) -> tuple | None:
+    """The kernel's (PF, n_pf) for ``gemv_group(prefetch=w)``: w's first ``nbytes`` (default
+    ``PREFETCH_BYTES``) as
     bytes and their count of 128-byte lines, where the prefetch runs (a contiguous ``w`` on
     ``device``, where ``capabilities.pdl_reason`` allows overlapped launches: the setting it was
     measured in), else None."""
-    if w is None or PREFETCH_BYTES <= 0 or w.device != device or not w.is_contiguous() \
+    nbytes = PREFETCH_BYTES if nbytes is None else nbytes
+    if w is None or nbytes <= 0 or w.device != device or not w.is_contiguous() \
             or pdl_reason(device) is not None:
         return None
-    return w.reshape(-1).view(torch.uint8), min(PREFETCH_BYTES, w.numel() * w.element_size()) // 128
+    return w.reshape(-1).view(torch.uint8), min(nbytes, w.numel() * w.element_size()) // 128
 
 
 def _row_norm_args(row_norm: RowNorm, x: torch.Tensor, m: int) -> tuple:

@@ -298,17 +298,20 @@ def test_a_triton_without_overlapped_launches_is_said_once(model, caplog, monkey
 def test_each_product_prefetches_the_next_products_weight(model, rng, monkeypatch):
     """Along a decode step (main layers, then the output projection), each product is asked to
     prefetch the weight of the product launched after it into L2, the last none: the oracle is the
-    order in which the step actually launches its products, recorded."""
+    order in which the step actually launches its products, recorded. A mixer's input product (the
+    first of each layer's four) asks for ``QWEN35_FAST_L2_PREFETCH_MIXER_KB`` of the mixer's output
+    weight, the others for the default length."""
     from qwen35_fast.kernels import gemv
 
     launched = []
     real_gemv = gemv.gemv_group
 
     def product(x, weights, **kw):
-        launched.append((weights[0], kw.get("prefetch")))
+        launched.append((weights[0], kw.get("prefetch"), kw.get("prefetch_bytes")))
         return real_gemv(x, weights, **kw)
 
     monkeypatch.setattr(gemv, "gemv_group", product)
+    monkeypatch.setenv("QWEN35_FAST_L2_PREFETCH_MIXER_KB", "24576")
     model, d = model
     _, fused = _runners(model, torch.randn(1, 7, d["hidden_size"], generator=rng))
     fused.binding.plain_output = fused.fused.output  # as engine/stack.py sets it
@@ -321,9 +324,35 @@ def test_each_product_prefetches_the_next_products_weight(model, rng, monkeypatc
         fused.cache.commit()
         start += rows
         assert len(launched) == 4 * d["num_hidden_layers"] + 1  # mixer in, mixer out, gate/up, down; the output
-        for (_, asked), (nxt, _) in zip(launched, launched[1:]):
+        for (_, asked, _), (nxt, _, _) in zip(launched, launched[1:]):
             assert asked is nxt, "a product that did not prefetch the next one's weight"
         assert launched[-1][1] is None
+        lengths = [nbytes for _, _, nbytes in launched]
+        assert lengths == [24576 << 10 if i % 4 == 0 and i < len(launched) - 1 else None
+                           for i in range(len(launched))]
+
+
+def test_mixer_prefetch_length_follows_the_default_and_names_its_variable(monkeypatch):
+    """Unset, ``QWEN35_FAST_L2_PREFETCH_MIXER_KB`` is ``QWEN35_FAST_L2_PREFETCH_KB``'s length; a value
+    that is no number is refused naming the variable, and leaves both lengths as they were."""
+    from qwen35_fast.kernels import gemv
+
+    monkeypatch.setenv("QWEN35_FAST_L2_PREFETCH_KB", "4096")
+    monkeypatch.delenv("QWEN35_FAST_L2_PREFETCH_MIXER_KB", raising=False)
+    gemv.load_overrides()
+    assert (gemv.PREFETCH_BYTES, gemv.MIXER_PREFETCH_BYTES) == (4096 << 10, 4096 << 10)
+    monkeypatch.setenv("QWEN35_FAST_L2_PREFETCH_MIXER_KB", "16384")
+    gemv.load_overrides()
+    assert (gemv.PREFETCH_BYTES, gemv.MIXER_PREFETCH_BYTES) == (4096 << 10, 16384 << 10)
+    monkeypatch.setenv("QWEN35_FAST_L2_PREFETCH_KB", "2048")
+    monkeypatch.setenv("QWEN35_FAST_L2_PREFETCH_MIXER_KB", "16M")
+    with pytest.raises(ValueError, match="QWEN35_FAST_L2_PREFETCH_MIXER_KB='16M' is not a whole number of KB"):
+        gemv.load_overrides()
+    assert (gemv.PREFETCH_BYTES, gemv.MIXER_PREFETCH_BYTES) == (4096 << 10, 16384 << 10)
+    monkeypatch.delenv("QWEN35_FAST_L2_PREFETCH_KB")
+    monkeypatch.delenv("QWEN35_FAST_L2_PREFETCH_MIXER_KB")
+    gemv.load_overrides()
+    assert (gemv.PREFETCH_BYTES, gemv.MIXER_PREFETCH_BYTES) == (8192 << 10, 8192 << 10)
 
 
 class _FailingLaunch:

@@ -174,6 +174,32 @@ def test_malformed_value_keeps_the_plan_off_and_says_why(tiny, monkeypatch):
 
 
 @pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
+@pytest.mark.parametrize("var", ["QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_L2_PREFETCH_MIXER_KB"])
+def test_a_prefetch_length_that_is_no_number_still_loads_the_pack(tiny, var, monkeypatch):
+    """On import such a value leaves the 8 MB defaults (a fresh process imports the kernels), and
+    the plan is off naming the variable until it is fixed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _standalone import load_pack; load_pack(); "
+            "from qwen35_fast.kernels import gemv; print(gemv.PREFETCH_BYTES, gemv.MIXER_PREFETCH_BYTES)")
+    env = dict(os.environ, **{var: "8M"}, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code, str(root)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(8192 << 10)] * 2
+    model, _ = tiny
+    monkeypatch.setenv(var, "8M")
+    plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
+    assert plan is None and f"{var}='8M' is not a whole number of KB" in why
+    monkeypatch.delenv(var)
+    plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
+    assert plan is not None, why
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU interpreter tests: set TRITON_INTERPRET=1")
 def test_launch_that_does_not_fit_takes_fewer_stages_and_says_so_once(rng, monkeypatch, caplog):
     """A picked launch that needs more shared memory than the GPU has (bf16 weights or float32 x on a 99 KB
     consumer GPU) runs with fewer pipeline stages, the same product, one warning per shape; an explicit

@@ -335,6 +335,8 @@ def test_gpu_prefetching_the_next_weight_changes_nothing(rows, split):
     args = gemv_mod._prefetch_args(w, w.device)
     if pdl_reason(w.device) is None and gemv_mod.PREFETCH_BYTES > 0:
         assert args is not None and args[0].data_ptr() == w.data_ptr() and args[1] == w.numel() // 128
+        assert gemv_mod._prefetch_args(w, w.device, 256)[1] == 2  # a length of its own: 2 lines of 128 bytes
+        assert gemv_mod._prefetch_args(w, w.device, 0) is None
     else:
         assert args is None
     gen = torch.Generator(device="cuda").manual_seed(5678 + 10 * rows + split)
