@@ -166,7 +166,7 @@ class FusedPlan:
         self._rotated: tuple | None = None
         self.embedding: torch.Tensor | None = None  # the embedding table read in place, or None
         self.prefetch: dict[int, torch.Tensor] = {}  # see _prefetch_chain
-        self.prefetch_bytes: dict[int, int] = {}  # links whose prefetch is not PREFETCH_BYTES long
+        self.prefetch_bytes: dict[int, int] = {}  # the mixer inputs' prefetch length (_prefetch_chain)
 
     @classmethod
     def build(cls, binding, device, dtype: torch.dtype) -> tuple[FusedPlan | None, str | None]:
@@ -251,21 +251,21 @@ class FusedPlan:
         plan.deferred = {key for key, readers in plan._norm_readers(binding).items()
                          if all(id(m) in linears for m in readers)}
         plan.embedding = _embedding_table(weights, binding.transformer.embed_tokens, device)
-        plan.prefetch = plan._prefetch_chain(binding)
-        plan.prefetch_bytes = {key: gemv.MIXER_PREFETCH_BYTES for key in plan._mixer_inputs(binding)
-                               if key in plan.prefetch}
+        plan.prefetch, plan.prefetch_bytes = plan._prefetch_chain(binding, gemv.MIXER_PREFETCH_BYTES)
         return plan, None
 
-    def _prefetch_chain(self, binding) -> dict[int, torch.Tensor]:
+    def _prefetch_chain(self, binding, mixer_bytes: int) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
         """``id(first module of a product) -> the next product's first weight`` along a decode step
         (each layer's mixer input, mixer output, gate/up and down, then the output projection), for
-        the products read in place whose successor is too."""
-        cfg, chain = binding.config, []
+        the products read in place whose successor is too; and ``id -> mixer_bytes`` for each mixer
+        input among them (its successor, the mixer's output projection, runs after the mixer itself)."""
+        cfg, chain, mixer_inputs = binding.config, [], set()
         for i, layer in enumerate(binding.layers):
             if cfg.layer_types[i] == "linear_attention":
                 chain += [layer.linear_attn.in_proj_qkv, layer.linear_attn.out_proj]
             else:
                 chain += [layer.self_attn.q_proj, layer.self_attn.o_proj]
+            mixer_inputs.add(id(chain[-2]))
             gate, _, down = _mlp_parts(layer.mlp, f"layers.{i}.mlp")
             chain += [gate, down]
         chain.append(binding.output_module)
@@ -274,15 +274,7 @@ class FusedPlan:
             pa, pb = self.linears.get(id(a)), self.linears.get(id(b))
             if pa is not None and pb is not None:
                 out[id(a)] = pb.weight
-        return out
-
-    @staticmethod
-    def _mixer_inputs(binding) -> list[int]:
-        """``id`` of each layer's mixer input product (DeltaNet ``in_proj_qkv``, attention ``q_proj``),
-        whose successor in the chain, the mixer's output projection, runs after the mixer itself."""
-        cfg = binding.config
-        return [id(layer.linear_attn.in_proj_qkv if cfg.layer_types[i] == "linear_attention"
-                   else layer.self_attn.q_proj) for i, layer in enumerate(binding.layers)]
+        return out, {key: mixer_bytes for key in mixer_inputs if key in out}
 
     def _rotation_of(self, modules) -> int:
         """The ConvRot group size of the first int8 ConvRot projection among ``modules`` (0: none)."""

@@ -137,9 +137,14 @@ def _slices_reason() -> str | None:
 SLICES_REASON = _slices_reason()
 
 
-def _prefetch_bytes(env: str = _PREFETCH_ENV, default: str = "8192") -> int:
-    """``env`` (KB) in bytes; ValueError naming it when it is no number."""
-    kb = os.environ.get(env, default)
+_DEFAULT_PREFETCH_BYTES = 8192 << 10
+
+
+def _prefetch_bytes(env: str, default: int) -> int:
+    """``env`` (KB) in bytes, ``default`` bytes when unset; ValueError naming it when it is no number."""
+    kb = os.environ.get(env)
+    if kb is None:
+        return default
     try:
         return int(kb) << 10
     except ValueError:
@@ -149,8 +154,8 @@ def _prefetch_bytes(env: str = _PREFETCH_ENV, default: str = "8192") -> int:
 def _prefetch_lengths() -> tuple[int, int]:
     """(``PREFETCH_BYTES``, ``MIXER_PREFETCH_BYTES``) from the environment; ValueError naming the
     variable whose value is no number."""
-    prefetch = _prefetch_bytes()
-    return prefetch, _prefetch_bytes(_MIXER_PREFETCH_ENV, str(prefetch >> 10))
+    prefetch = _prefetch_bytes(_PREFETCH_ENV, _DEFAULT_PREFETCH_BYTES)
+    return prefetch, _prefetch_bytes(_MIXER_PREFETCH_ENV, prefetch)
 
 
 #: Bytes of the next product's weight a product asks L2 for (``gemv_group(prefetch=)``): 8 MB measured
@@ -162,7 +167,7 @@ def _prefetch_lengths() -> tuple[int, int]:
 try:
     PREFETCH_BYTES, MIXER_PREFETCH_BYTES = _prefetch_lengths()
 except ValueError:
-    PREFETCH_BYTES = MIXER_PREFETCH_BYTES = 8192 << 10
+    PREFETCH_BYTES = MIXER_PREFETCH_BYTES = _DEFAULT_PREFETCH_BYTES
 
 #: Launch overrides for in-step measurements (``load_overrides``): entries ``KIND:NxK=BN,BK,WARPS,STAGES``,
 #: ``KIND:NxK=/SPLIT`` or both (``KIND:NxK=BN,BK,WARPS,STAGES/SPLIT``), separated by ``;``. KIND is
