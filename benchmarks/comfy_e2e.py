@@ -49,14 +49,13 @@ step and the host's Python functions per token of a generation (cProfile, after 
 generation; also of a forced3 one when ``--kinds`` names it), per format.
 ``--profile-prefill``: median wall time of the prompt's prefill (main forward and MTP head, a fresh
 cache each) and its kernels and host ops (torch profiler), per format.
-``--variants NAME:VAR=VALUE``: more MTP-off pack rows (``pack@NAME``; with forced3 in ``--kinds``
-also forced MTP-3 rows, ``pack-forced3@NAME``, right after the forced3 row), each run with environment
-variables a generation reads when it builds its plan (``VARIANT_ENV``: the launch settings of the
-products, ``QWEN35_FAST_GEMV_CONFIG``, of the DeltaNet step, ``QWEN35_FAST_DELTANET_CONFIG``, and
-of the decode attention, ``QWEN35_FAST_ATTENTION_CONFIG``; the L2 prefetch; PDL), right after the
-pack row; with ``--repeat N`` the rows of each max_length run N times over in that order:
-settings compared in one process, on one loaded model, interleaved; the table then ends with each pack kind's median
-tok/s and its ratio to the pack row's (a forced MTP-3 variant's: to the forced3 row's; ``compare``).
+``--variants NAME:TABLE.json``: more MTP-off pack rows (``pack@NAME``; with forced3 in ``--kinds``
+also forced MTP-3 rows, ``pack-forced3@NAME``, right after the forced3 row), each run with a launch
+table pinned over the GPU's own (``kernels/launch.py``: its entries win, field by field), right
+after the pack row; with ``--repeat N`` the rows of each max_length run N times over in that order:
+settings compared in one process, on one loaded model, interleaved; the table then ends with each
+pack kind's median tok/s and its ratio to the pack row's (a forced MTP-3 variant's: to the forced3
+row's; ``compare``).
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
@@ -65,7 +64,7 @@ Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
         [--profile-prefill] [--kinds core pack pack-sampled mtp-sampled pack-plain forced3 standalone] [--timeline]
-        [--variants NAME:VAR=VALUE[|VAR=VALUE] ...] [--repeat N]
+        [--variants NAME:TABLE.json ...] [--repeat N]
     python benchmarks/comfy_e2e.py --report runs.json      (README table of a saved run)
 """
 
@@ -320,7 +319,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                                             mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0,
                                             **greedy), 32)
         first_use("first-use forced3", clock.last)
-    from qwen35_fast.patches.prompt_enhancer import PRESETS
+    from qwen35_fast.enhancer.prompt_enhancer import PRESETS
 
     sampled = dict(greedy, do_sample=True, **PRESETS["text-to-image"])
     if "mtp-sampled" in args.kinds:
@@ -412,7 +411,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                 tok_s = clock.run(lambda m=max_length: model.generate(tokens, max_length=m, **sampled), args.tokens)
                 row(kind, max_length, tok_s)
             elif kind.startswith("pack"):
-                with probe, launches(kind, variants.get(kind.partition("@")[2], {})):
+                with probe, launches(kind, variants.get(kind.partition("@")[2])):
                     tok_s = clock.run(lambda m=max_length: patched.generate(tokens, max_length=m, **greedy),
                                       args.tokens)
                 row(kind, max_length, tok_s, **({"peak_allocations": probe.result} if probe.result else {}))
@@ -421,7 +420,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                 drafts = forced_drafts(target, embeds, args.tokens + 8, greedy)
                 reset_peak()
                 variant = kind.partition("@")[2]
-                with launches(kind, variants.get(variant, {})):
+                with launches(kind, variants.get(variant)):
                     tok_s = clock.run(lambda m=max_length: bridge.run_engine(
                         target, embeds, max_length=m, mtp=3,
                         mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), args.tokens)
@@ -458,46 +457,38 @@ def forced_drafts(target, embeds, n: int, greedy: dict) -> list[int]:
 
 
 @contextlib.contextmanager
-def launches(kind: str, env: dict[str, str] | None = None):
+def launches(kind: str, table: str | None = None):
     """The launch settings of a pack row, restored after: ``pack-plain`` without programmatic
-    dependent launch; a ``--variants`` row with its environment variables ``env``."""
-    from qwen35_fast.kernels import capabilities
+    dependent launch; a ``--variants`` row with its launch table pinned (``launch.pinned``)."""
+    from qwen35_fast.kernels import capabilities, launch
 
-    values = dict(env or {})
+    saved = os.environ.get(capabilities.PDL_ENV)
     if kind == "pack-plain":
-        values[capabilities.PDL_ENV] = "0"
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+        os.environ[capabilities.PDL_ENV] = "0"
     try:
-        yield
+        with launch.pinned(*([table] if table else [])):
+            yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if saved is None:
+            os.environ.pop(capabilities.PDL_ENV, None)
+        else:
+            os.environ[capabilities.PDL_ENV] = saved
 
 
-#: The settings a generation reads when it builds its plan, so a ``--variants`` row can change them.
-VARIANT_ENV = ("QWEN35_FAST_GEMV_CONFIG", "QWEN35_FAST_DELTANET_CONFIG", "QWEN35_FAST_ATTENTION_CONFIG",
-               "QWEN35_FAST_L2_PREFETCH_KB", "QWEN35_FAST_L2_PREFETCH_MIXER_KB", "QWEN35_FAST_PDL")
+def parse_variant(text: str) -> tuple[str, str]:
+    """``NAME:TABLE.json`` -> ``(NAME, path)``, the table read and checked (``launch.read_table``);
+    argparse.ArgumentTypeError naming the form or the table's fault otherwise."""
+    from qwen35_fast.kernels import launch
 
-
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """``NAME:VAR=VALUE[|VAR=VALUE...]`` (VAR one of ``VARIANT_ENV``) -> ``(NAME, {VAR: VALUE})``;
-    argparse.ArgumentTypeError naming the form otherwise."""
-    form = ("expected NAME:VAR=VALUE[|VAR=VALUE...], e.g. "
-            "'down2:QWEN35_FAST_GEMV_CONFIG=quant:4096x12288=32,256,2,4/4'")
-    name, sep, rest = text.partition(":")
+    name, sep, path = text.partition(":")
     if not sep or not name.strip() or not name.replace("-", "").replace("_", "").isalnum():
-        raise argparse.ArgumentTypeError(f"--variants {text!r}: {form} (NAME in letters, digits, '-', '_')")
-    env = {}
-    for item in rest.split("|"):
-        var, eq, value = item.partition("=")
-        if not eq or var.strip() not in VARIANT_ENV:
-            raise argparse.ArgumentTypeError(f"--variants {text!r}: {form}; VAR one of {', '.join(VARIANT_ENV)}")
-        env[var.strip()] = value
-    return name.strip(), env
+        raise argparse.ArgumentTypeError(f"--variants {text!r}: expected NAME:TABLE.json (NAME in letters, digits, "
+                                         "'-', '_'), e.g. 'down2:variants/down2.json'")
+    try:
+        launch.read_table(path)
+    except launch.TableError as exc:
+        raise argparse.ArgumentTypeError(f"--variants {text!r}: {exc}") from None
+    return name.strip(), path
 
 
 def host_profile(fn, tokens: int, top: int = 40) -> dict:
@@ -604,11 +595,10 @@ def main() -> None:
                     help="at the first max_length, list what the core and pack rows allocate at their peak")
     ap.add_argument("--timeline", action="store_true",
                     help="also trace the pack's kernels per token of a generation, with and without PDL")
-    ap.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="NAME:VAR=VALUE",
-                    help="extra MTP-off pack rows (kind pack@NAME), each run with these environment variables "
-                         f"set ({', '.join(VARIANT_ENV)}: read when a generation builds its plan), right after "
-                         "the pack row of each max_length; with forced3 in --kinds also forced MTP-3 rows "
-                         "(pack-forced3@NAME) right after the forced3 row")
+    ap.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="NAME:TABLE.json",
+                    help="extra MTP-off pack rows (kind pack@NAME), each run with this launch table pinned over "
+                         "the GPU's own (kernels/launch.py), right after the pack row of each max_length; with "
+                         "forced3 in --kinds also forced MTP-3 rows (pack-forced3@NAME) right after the forced3 row")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each max_length's rows this many times over, in the same interleaved order")
     ap.add_argument("--json", default="comfy_e2e.json")

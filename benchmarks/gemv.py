@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _standalone import load_pack  # noqa: E402
 
 load_pack()
-from qwen35_fast.kernels.gemv import _config, gemv  # noqa: E402
+from qwen35_fast.kernels import launch  # noqa: E402
+from qwen35_fast.kernels.gemv import gemv  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from benchmarks.timing import chained_us  # noqa: E402
@@ -60,8 +61,8 @@ def main() -> None:
             row = {"rows": rows, "shape": name, "n": n, "k": k, "uses": uses, "floor_us": floor,
                    "cublas_us": timed(F.linear, weights, x), "rel_err": err, "configs": {}}
             for cfg in [None] + CONFIGS:
-                row["configs"][str(cfg or _config(n, k)) + ("*" if cfg is None else "")] = timed(
-                    lambda a, w, cfg=cfg: gemv(a, w, config=cfg), weights, x)
+                key = str(cfg or launch.gemv(n, k, False, 1, "cuda")[0]) + ("*" if cfg is None else "")
+                row["configs"][key] = timed(lambda a, w, cfg=cfg: gemv(a, w, config=cfg), weights, x)
             best = min(row["configs"].items(), key=lambda kv: kv[1])
             tuned = next(v for key, v in row["configs"].items() if key.endswith("*"))
             step_cublas += uses * row["cublas_us"]

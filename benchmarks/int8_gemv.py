@@ -12,7 +12,7 @@ Per group and row count:
 - ``*_split``: for the single projections whose output feeds a norm (DeltaNet out, attention o,
   MLP down), the picked config with K split in P ranges (float32 partials the norm sums).
 
-``*`` marks what ``kernels.gemv`` picks (``_config``, ``split_k``). The producers themselves
+``*`` marks what the launch table picks (``kernels/launch.py``). The producers themselves
 (norm, SiLU, gate) are not timed here; ``benchmarks/comfy_e2e.py --profile`` lists a whole step.
 Timed like ``benchmarks/gemv.py``: one graph chains launches over enough distinct weight copies
 (>= 256 MB) that nothing is served from L2; medians of replays; floor = int8 weight bytes (N*K +
@@ -22,7 +22,7 @@ first 4096 output rows).
 
 ``--sweep``: int8 only, 1 row: every group under every config of ``SWEEP`` (and the split-K
 launches under several K ranges), sorted fastest first. One launch at a time only: a config that
-wins here can lose inside the decode step (``kernels.gemv._config`` says which did); check a
+wins here can lose inside the decode step (``benchmarks/CHANGELOG.md`` says which did); check a
 change with ``comfy_e2e.py``.
 
 Usage: python benchmarks/int8_gemv.py [--rows 1 4] [--sweep] [--json out.json]
@@ -43,7 +43,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _standalone import load_pack  # noqa: E402
 
 load_pack()
-from qwen35_fast.kernels.gemv import _config, gemv_group, hadamard, hadamard_rotate, split_k  # noqa: E402
+from qwen35_fast.kernels import launch  # noqa: E402
+from qwen35_fast.kernels.convrot import hadamard  # noqa: E402
+from qwen35_fast.kernels.convrot_triton import hadamard_rotate  # noqa: E402
+from qwen35_fast.kernels.gemv import gemv_group  # noqa: E402
+
+
+def _config(n: int, k: int, quant: bool = False, rows: int = 1) -> tuple[int, ...]:
+    """The launch table's config for this GPU (``kernels/launch.py``)."""
+    return launch.gemv(n, k, quant, rows, "cuda")[0]
+
+
+def split_k(n: int, k: int, quant: bool = False, rows: int = 1) -> int:
+    """The launch table's K ranges for this GPU."""
+    return launch.gemv(n, k, quant, rows, "cuda")[1]
 
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from benchmarks.timing import chained_us  # noqa: E402

@@ -22,15 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _standalone import load_pack  # noqa: E402
 
 load_pack()
-from qwen35_fast.engine.sampling import (  # noqa: E402
-    Sampler,
-    SamplingParams,
+from qwen35_fast.engine.distribution import (  # noqa: E402
     _filtered_softmax,
     _penalised_tempered,
-    multinomial_one,
     target_argmax,
     target_probs,
 )
+from qwen35_fast.engine.draw import multinomial_one  # noqa: E402
+from qwen35_fast.engine.sampling import Sampler  # noqa: E402
+from qwen35_fast.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def kernel_us(fn, reps: int = 20) -> tuple[float, float]:

@@ -13,7 +13,7 @@ Two launch savings for ComfyUI's int8 ConvRot weights and the 4096-wide outputs:
 and gate kernels and the DeltaNet step's gated norm also write their output ConvRot-rotated when
 int8 ConvRot projections read it (``norm_rotation``; the projections then skip their own rotation
 launch), and a projection whose output only feeds the next norm (``into_norm``: DeltaNet out,
-attention o, MLP down) returns split-K float32 partials (``kernels.gemv.split_k``) that the norm
+attention o, MLP down) returns split-K float32 partials (``kernels/launch.py``) that the norm
 kernel sums.
 
 ``FusedPlan.build`` reads the norm weights once (as each norm module would apply them), resolves
@@ -24,120 +24,30 @@ the projections, and says why fusion is impossible when a module is not the plai
 from __future__ import annotations
 
 import logging
-import os
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels import (
     ATTENTION_BACKENDS,
     decode_attention,
+    launch,
     resolve_backend,
-    say_once,
     triton_device_reason,
     triton_module,
 )
-from ..kernels.row_norm import RowNorm, factor
+from .fused_parts import (
+    Deferred,
+    Reject,
+    embedding_table,
+    mlp_parts,
+    norm_weight,
+    projections,
+    resident,
+    triton_ops,
+)
 from .plain_weights import linear_group, linear_rows
 
-_NORM_CLASSES = ("RMSNorm",)
-_GATED_CLASSES = ("RMSNormGated",)
-
-
-def _triton_ops():
-    """(fused_ops, deltanet_step) modules, or the reason they cannot be imported."""
-    fused_ops, why = triton_module("fused_ops")
-    deltanet_step, why_step = triton_module("deltanet_step")
-    if why or why_step:
-        return None, why or why_step
-    return (fused_ops, deltanet_step), None
-
-
 log = logging.getLogger(__name__)
-
-
-class _Reject(Exception):
-    pass
-
-
-class Deferred(NamedTuple):
-    """A norm's output whose per-row RMSNorm factor the projections reading it apply
-    (``kernels/row_norm.py``): ``rows`` ``[B,S,H]`` = h * weight, ``norm`` the factor's partials,
-    ``rotated`` ``(G, rows rotated)`` or None."""
-
-    rows: torch.Tensor
-    norm: RowNorm
-    rotated: tuple[int, torch.Tensor] | None
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.rows.shape
-
-    def materialize(self) -> torch.Tensor:
-        """The norm's output itself (``rows`` times the factor, rounded to rows' dtype)."""
-        return (self.rows.float() * factor(self.norm)).to(self.rows.dtype)
-
-
-def _resident(weights, mod, name: str, device: torch.device) -> None:
-    """Reject a module whose own parameters cannot be read in place (the weight hook says why)."""
-    why = weights.tensor_reason(mod, device)
-    if why is not None:
-        raise _Reject(f"{name}: {why}")
-
-
-def _norm_weight(weights, mod, dtype: torch.dtype, device: torch.device, name: str) -> tuple[torch.Tensor, float]:
-    """The effective float32 weight ``[dim]`` and eps of a (1 + w) / w RMSNorm module."""
-    cls = type(mod).__name__
-    if cls not in _NORM_CLASSES + _GATED_CLASSES:
-        raise _Reject(f"{name} is a {cls}, not a Qwen3.5 RMSNorm")
-    w, eps, add = getattr(mod, "weight", None), getattr(mod, "eps", None), getattr(mod, "add", None)
-    if not isinstance(w, torch.Tensor) or not isinstance(eps, float) or not isinstance(add, bool):
-        raise _Reject(f"{name} ({cls}) lacks a weight tensor, a float eps or the add flag")
-    _resident(weights, mod, name, device)
-    return weights.norm_scale(mod, dtype).to(device=device, dtype=torch.float32).contiguous(), eps
-
-
-def _mlp_parts(mlp, name: str):
-    parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if any(p is None for p in parts):
-        raise _Reject(f"{name} has no gate_proj/up_proj/down_proj")
-    act = getattr(mlp, "activation", F.silu)
-    if act is not F.silu:
-        raise _Reject(f"{name} does not use SiLU")
-    return parts
-
-
-def _projections(binding) -> list[tuple[str, object]]:
-    """Every projection a decode step runs: ``(name, module)`` in model order, the output last."""
-    cfg, out = binding.config, []
-    parts = {"linear_attention": ("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")),
-             "full_attention": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"))}
-    for i, layer in enumerate(binding.layers):
-        sub, names = parts[cfg.layer_types[i]]
-        out += [(f"layers.{i}.{sub}.{n}", getattr(getattr(layer, sub), n)) for n in names]
-        out += [(f"layers.{i}.mlp.{n}", getattr(layer.mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
-    head = binding.mtp
-    if head is not None:
-        layer = head.layers[0]
-        out.append(("mtp.fc", head.fc))
-        out += [(f"mtp.layers.0.self_attn.{n}", getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj",
-                                                                                       "o_proj")]
-        out += [(f"mtp.layers.0.mlp.{n}", getattr(layer.mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")]
-    out.append(("lm_head" if getattr(binding.transformer, "lm_head", None) is not None else "embed_tokens (tied)",
-                binding.output_module))
-    return [(n, m) for n, m in out if m is not None]
-
-
-def _embedding_table(weights, module, device: torch.device) -> torch.Tensor | None:
-    """The embedding module's table ``[V, H]`` when a lookup of it equals the module's call (a plain
-    float matrix on ``device``, no max_norm, no per-call work), else None (the module is called)."""
-    w = getattr(module, "weight", None)
-    if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 2 or not w.is_floating_point():
-        return None
-    if getattr(module, "max_norm", None) is not None or w.device != device:
-        return None
-    return w.detach() if weights.tensor_reason(module, device) is None else None
 
 
 class FusedPlan:
@@ -176,20 +86,9 @@ class FusedPlan:
             device = torch.device("cuda", torch.cuda.current_device())
         if triton_device_reason(device) is not None:
             return None, f"the fused kernels need a CUDA device (running on {device.type})"
-        ops, why = _triton_ops()
+        ops, why = triton_ops()
         if ops is None:
             return None, why
-        from ..kernels import attention_triton, gemv
-
-        # launch settings for in-step measurements (benchmarks/README.md)
-        for module in (gemv, ops[1], attention_triton):
-            try:
-                overrides = module.load_overrides()
-            except ValueError as exc:
-                return None, str(exc)
-            if overrides:
-                say_once(log, f"Qwen3.5 decode kernels launch with {module.CONFIG_ENV} overrides (not the "
-                              f"measured defaults): {os.environ.get(module.CONFIG_ENV)}")
         cfg = binding.config
         probe = torch.empty(1, 1, cfg.conv_dim, dtype=dtype, device=device)
         why = ops[1].step_reason(probe, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.conv_kernel_size)
@@ -199,7 +98,7 @@ class FusedPlan:
         norms, convs, mlps, eps = {}, {}, {}, set()
 
         def norm(mod, key):
-            w, e = _norm_weight(weights, mod, dtype, device, key)
+            w, e = norm_weight(weights, mod, dtype, device, key)
             norms[key] = w
             eps.add(e)
 
@@ -207,14 +106,14 @@ class FusedPlan:
             for i, layer in enumerate(binding.layers):
                 norm(layer.input_layernorm, f"layers.{i}.input_layernorm")
                 norm(layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
-                mlps[i] = _mlp_parts(layer.mlp, f"layers.{i}.mlp")
+                mlps[i] = mlp_parts(layer.mlp, f"layers.{i}.mlp")
                 if cfg.layer_types[i] == "linear_attention":
                     la = layer.linear_attn
                     norm(la.norm, f"layers.{i}.linear_attn.norm")
                     conv, name = la.conv1d, f"layers.{i}.linear_attn.conv1d"
-                    _resident(weights, conv, name, device)
+                    resident(weights, conv, name, device)
                     if getattr(conv, "bias", None) is not None:
-                        raise _Reject(f"{name} has a bias")
+                        raise Reject(f"{name} has a bias")
                     convs[i] = conv.weight.detach().reshape(conv.weight.shape[0], -1).to(dtype).contiguous()
                 else:
                     norm(layer.self_attn.q_norm, f"layers.{i}.self_attn.q_norm")
@@ -229,13 +128,13 @@ class FusedPlan:
                 norm(layer.post_attention_layernorm, "mtp.layers.0.post_attention_layernorm")
                 norm(layer.self_attn.q_norm, "mtp.layers.0.self_attn.q_norm")
                 norm(layer.self_attn.k_norm, "mtp.layers.0.self_attn.k_norm")
-                mlps["mtp"] = _mlp_parts(layer.mlp, "mtp.layers.0.mlp")
-        except _Reject as exc:
+                mlps["mtp"] = mlp_parts(layer.mlp, "mtp.layers.0.mlp")
+        except Reject as exc:
             return None, str(exc)
         if len(eps) != 1:
             return None, f"the norms use different eps values {sorted(eps)}"
         linears, unresolved, modules, formats, output = {}, {}, {}, {}, None
-        for name, mod in _projections(binding):
+        for name, mod in projections(binding):
             plain, why = weights.linear(mod, device, dtype)
             if plain is None:
                 unresolved[name], modules[name] = why, mod
@@ -250,8 +149,8 @@ class FusedPlan:
         plan.norm_rotation = plan._norm_rotations(binding)
         plan.deferred = {key for key, readers in plan._norm_readers(binding).items()
                          if all(id(m) in linears for m in readers)}
-        plan.embedding = _embedding_table(weights, binding.transformer.embed_tokens, device)
-        plan.prefetch, plan.prefetch_bytes = plan._prefetch_chain(binding, gemv.MIXER_PREFETCH_BYTES)
+        plan.embedding = embedding_table(weights, binding.transformer.embed_tokens, device)
+        plan.prefetch, plan.prefetch_bytes = plan._prefetch_chain(binding, launch.prefetch(device)[1])
         return plan, None
 
     def _prefetch_chain(self, binding, mixer_bytes: int) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
@@ -266,7 +165,7 @@ class FusedPlan:
             else:
                 chain += [layer.self_attn.q_proj, layer.self_attn.o_proj]
             mixer_inputs.add(id(chain[-2]))
-            gate, _, down = _mlp_parts(layer.mlp, f"layers.{i}.mlp")
+            gate, _, down = mlp_parts(layer.mlp, f"layers.{i}.mlp")
             chain += [gate, down]
         chain.append(binding.output_module)
         out = {}
@@ -299,7 +198,7 @@ class FusedPlan:
             else:
                 mixer = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
             out[f"{prefix}.input_layernorm"] = mixer
-            out[f"{prefix}.post_attention_layernorm"] = _mlp_parts(layer.mlp, f"{prefix}.mlp")[:2]
+            out[f"{prefix}.post_attention_layernorm"] = mlp_parts(layer.mlp, f"{prefix}.mlp")[:2]
         return out
 
     def _norm_rotations(self, binding) -> dict[str, int]:
@@ -333,9 +232,8 @@ class FusedPlan:
                            prefetch_bytes=self.prefetch_bytes.get(id(module)))
 
     def _split(self, plain, rows: int) -> int:
-        from ..kernels import gemv
-
-        return gemv.split_k(plain.weight.shape[0], plain.weight.shape[1], plain.quantized, rows)
+        w = plain.weight
+        return launch.gemv(w.shape[0], w.shape[1], plain.quantized, rows, w.device)[1]
 
     def lins(self, modules, x) -> list[torch.Tensor]:
         """Projections of the same rows x (grouped into one launch where they are int8; x's rotated

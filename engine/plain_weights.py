@@ -87,7 +87,7 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
     ``row_norm``: x (and x_rot) is an RMSNorm's output without its per-row factor
     (``kernels/row_norm.py``): every product is multiplied by it before the bias. ``prefetch``: the
     next product's weight, for the last GEMV launch to ask L2 for (``gemv_group(prefetch=)``; its first
-    ``prefetch_bytes``, default ``kernels.gemv.PREFETCH_BYTES``)."""
+    ``prefetch_bytes``, default the launch table's: ``kernels/launch.py``)."""
     gemv = _kernels()
     outs: list[torch.Tensor | None] = [None] * len(weights)
     kinds: dict[tuple, list[int]] = {}

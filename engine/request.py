@@ -17,7 +17,7 @@ from ..kernels import ATTENTION_CHOICES
 from .binding import Qwen35Binding
 from .errors import Qwen35Error
 from .rope import normalize_positions
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ Terms (as in vLLM's rejection sampler):
   forward of k + 1 rows.
 * **accepted drafts**: the longest prefix that survives acceptance; greedy compares with the
   model's argmax (so greedy MTP equals plain greedy token for token), sampled uses
-  ``sampling.speculative_accept_rows`` (accept with min(1, p/q), else resample from the residual;
+  ``draw.speculative_accept_rows`` (accept with min(1, p/q), else resample from the residual;
   every draft's decision drawn on the device, one read per verify step).
 * **correction token**: the token drawn in place of the first rejected draft (from the residual
   distribution; greedy: the model's argmax there). **bonus token**: when all k drafts are
@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import torch
 
+from .distribution import target_argmax, target_probs
+from .draw import sample, speculative_accept_rows
 from .readback import Readback
 from .rope import RowPositions
-from .sampling import Sampler, sample, speculative_accept_rows, target_argmax, target_probs, to_device
+from .sampling import Sampler, to_device
 
 
 def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hidden: torch.Tensor,

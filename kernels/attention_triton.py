@@ -26,51 +26,10 @@ try:
     from triton.runtime.errors import OutOfResources
 except ImportError:  # very old Triton: nothing to catch by name
     OutOfResources = ()
-from .capabilities import device_limits
-from .overrides import EnvOverrides, entries, pow2_between
+from . import fallback, launch
 from .pdl import launch_args, trigger, wait
 
 log = logging.getLogger(__name__)
-
-#: Launch overrides for in-step measurements (``load_overrides``): entries ``S=SPLITS`` or
-#: ``S=SPLITS,BLOCK_N,STAGES,WARPS`` separated by ``;``: for launches with S new rows per sequence,
-#: the split count (1..128, in place of ``default_splits``) and optionally the split pass's tile
-#: (BLOCK_N a power of two 16..256, stages 1..8, warps 1..16 a power of two, in place of
-#: ``default_config``). Read when a fused plan is built (each generation); an explicit ``n_split`` /
-#: ``config`` argument still wins.
-CONFIG_ENV = "QWEN35_FAST_ATTENTION_CONFIG"
-
-
-def parse_overrides(text: str) -> dict[int, tuple[int, dict | None]]:
-    """``CONFIG_ENV``'s value -> ``{S: (splits, {"BLOCK_N", "num_stages", "num_warps"} or None)}``;
-    ValueError naming the entry and the form when one is malformed or out of range."""
-    form = "entries like '1=66' or '4=33,32,2,8' (S=SPLITS[,BLOCK_N,STAGES,WARPS]) separated by ';'"
-    out = {}
-    for entry in entries(text):
-        key, _, value = entry.partition("=")
-        try:
-            rows = int(key)
-            nums = [int(v) for v in value.split(",")]
-        except ValueError:
-            raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {form}") from None
-        if (not 1 <= rows <= 16 or len(nums) not in (1, 4) or not 1 <= nums[0] <= 128
-                or (len(nums) == 4 and not (pow2_between(nums[1], 16, 256) and 1 <= nums[2] <= 8
-                                            and pow2_between(nums[3], 1, 16)))):
-            raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (S 1..16, splits 1..128, BLOCK_N a power "
-                             f"of two 16..256, stages 1..8, warps 1..16 a power of two): {form}")
-        cfg = dict(BLOCK_N=nums[1], num_stages=nums[2], num_warps=nums[3]) if len(nums) == 4 else None
-        out[rows] = (nums[0], cfg)
-    return out
-
-
-_OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
-
-
-def load_overrides() -> dict:
-    """Read ``CONFIG_ENV`` again (``FusedPlan.build``, each generation); returns the overrides in
-    force. ValueError (``parse_overrides``) leaves the previous ones."""
-    return _OVERRIDES.load()
-
 
 @triton.jit
 def _split_kernel(
@@ -220,42 +179,7 @@ def _combine_gate_kernel(
     tl.store(OUT + ((b.to(tl.int64) * S + s) * hq + h) * D + offs_d, (o * sig).to(DT))
 
 
-def _device_limits(device: torch.device) -> tuple[int, int] | None:
-    """``capabilities.device_limits`` (a seam ``tests/consumer_step.py`` replaces with a fake GPU's)."""
-    return device_limits(device)
-
-
-# (BLOCK_N, num_stages) from fastest to smallest; tuned on an H200 (benchmarks/decode_attention.py --tune)
-_TILES = ((64, 3), (64, 2), (32, 3), (32, 2), (16, 2), (16, 1))
-
-
-def default_splits(q: torch.Tensor, hkv: int, n_mb: int) -> int:
-    """Fixed split count: about one program per SM over the whole grid (4 on the interpreter)."""
-    limits = _device_limits(q.device)
-    if limits is None:
-        return 4
-    programs = q.shape[0] * hkv * n_mb
-    return max(1, min(128, -(-limits[0] // programs)))
-
-
-_SHRUNK: dict[tuple, int] = {}  # (device, dtype, D, BLOCK_M) -> first _TILES index that compiled
-
-
-def default_config(d: int, itemsize: int, block_m: int, smem_limit: int, start: int = 0) -> dict:
-    """Largest tile / pipeline depth whose K+V stages fit the device's shared memory.
-
-    8 warps pay off once the query block has 32+ rows (S >= 4 for Qwen3.5's 4 query heads per kv
-    head); a consumer GPU with ~100 KB of shared memory gets a smaller tile instead of a failure.
-    The estimate counts ``stages`` K and V tiles, more than Triton keeps: compiled for sm_89 and
-    sm_90 by Triton 3.6 and 3.9 (D 256, bf16, 16-row blocks) the tiles take (64, 3) 138 KB, (64, 2)
-    74 KB, (32, 3) 73 KB, (32, 2) 41 KB, so a 99 KB GPU gets (32, 2) where (64, 2) and (32, 3) fit
-    too; which of them is fastest there is not measured.
-    """
-    for block_n, stages in _TILES[start:]:
-        need = stages * 2 * block_n * d * itemsize + block_m * d * itemsize + 4096
-        if need <= smem_limit:
-            break
-    return {"BLOCK_N": block_n, "num_stages": stages, "num_warps": 8 if block_m >= 32 else 4}
+_SHRUNK: dict[tuple, int] = {}  # (device, dtype, D, BLOCK_M) -> how many tiles past the first pick compiled
 
 
 def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_split: int | None,
@@ -269,13 +193,11 @@ def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_spli
     rows = g * s
     block_m = max(16, triton.next_power_of_2(min(rows, 64)))
     n_mb = -(-rows // block_m)
-    forced_split, forced_cfg = _OVERRIDES.values.get(s, (None, None))
-    n_split = n_split or forced_split or default_splits(q, hkv, n_mb)
-    tile_from_env = config is None and forced_cfg is not None
-    config = config or forced_cfg
     key = (str(q.device), q.dtype, d, block_m)
-    smem = (_device_limits(q.device) or (0, 1 << 30))[1]
-    cfg = dict(default_config(d, q.element_size(), block_m, smem, _SHRUNK.get(key, 0)), **(config or {}))
+    picked_split, tile = launch.attention(d, g, s, b_sz * hkv * n_mb, q.element_size(), block_m, q.device,
+                                          _SHRUNK.get(key, 0))
+    n_split = n_split or picked_split
+    cfg = dict(tile, **(config or {}))
     o_part = torch.empty(b_sz * hkv * n_split * rows * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b_sz * hkv * n_split * rows, dtype=torch.float32, device=q.device)
     log2e = 1.4426950408889634
@@ -298,13 +220,11 @@ def _split_pass(q, k_cache, v_cache, lengths, causal: bool, scale: float, n_spli
             break
         except OutOfResources as exc:  # the estimate missed: take the next smaller tile, once per shape
             nxt = _SHRUNK.get(key, 0) + 1
-            if tile_from_env:
-                raise ValueError(f"{CONFIG_ENV}: the tile of entry {s}= does not fit this GPU: {exc}") from exc
-            if config or nxt >= len(_TILES):
+            if config or nxt >= len(fallback.ATTENTION_TILES):
                 raise
             log.warning("decode_attention: %s; retrying with a smaller tile", exc)
             _SHRUNK[key] = nxt
-            cfg = default_config(d, q.element_size(), block_m, smem, nxt)
+            cfg = launch.attention(d, g, s, b_sz * hkv * n_mb, q.element_size(), block_m, q.device, nxt)[1]
     return o_part, lse_part, n_split, merge_launch
 
 

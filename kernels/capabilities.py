@@ -6,8 +6,10 @@
 * ``pdl_reason(device)``: None when the decode kernels may launch with programmatic dependent
   launch (Hopper+: a kernel starts while its predecessor finishes; ``kernels/pdl.py``), else why not
   (``triton_pdl_reason()``: the part that is this Triton's).
-* ``device_limits(device)``: a CUDA device's SM count and the shared memory a block may opt in to
-  (None elsewhere), what launch picks that depend on them read.
+* ``device_record(device)``: a CUDA device's name, compute capability, SM count, shared memory a
+  block may opt in to and L2 size (None elsewhere: the interpreter has no limits), what the launch
+  tables (``kernels/launch.py``) read. ``simulate(record)`` makes every device that record: a GPU
+  this machine does not have, for compiling the kernels for it (``tests/kernels/consumer_step.py``).
 * ``say_once(log, msg)``: the warning when a slower path is taken, once per process.
 * ``QUANT_DTYPES`` / ``fp8_reason(device)``: the weight dtypes the weight-only GEMV widens in
   registers (int8, fp8 e4m3fn / e5m2), and None when fp8 weights can be read on ``device``, else why not.
@@ -21,6 +23,7 @@ import functools
 import importlib
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -30,10 +33,64 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@dataclass(frozen=True)
+class DeviceRecord:
+    """What launch settings depend on: ``name`` as torch reports it (``"NVIDIA H200"``), ``arch`` the
+    compute capability as major * 10 + minor (90), ``sms`` multiprocessors, ``shared`` bytes of shared
+    memory a block may opt in to, ``l2`` bytes of L2 cache."""
+
+    name: str
+    arch: int
+    sms: int
+    shared: int
+    l2: int
+
+
+_SIMULATED: list[DeviceRecord] = []
+
+
+def simulate(record: DeviceRecord | None) -> None:
+    """Treat every device as ``record`` (None: stop): CPU tensors go to Triton compiled for that GPU,
+    and every launch pick and capability check reads it. For compiling the kernels for a GPU that
+    is not there (``tests/kernels/fake_gpu.py`` makes Triton's driver that GPU); never in the pack."""
+    _SIMULATED[:] = [record] if record is not None else []
+    _device_pdl_reason.cache_clear()
+
+
+def simulated() -> DeviceRecord | None:
+    """The record ``simulate`` set, or None."""
+    return _SIMULATED[0] if _SIMULATED else None
+
+
+def device_record(device) -> DeviceRecord | None:
+    """``device``'s record: the simulated one when set, a CUDA device's own, else None (the CPU or
+    the interpreter: no limits)."""
+    if _SIMULATED:
+        return _SIMULATED[0]
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_record(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_record(device_index: int) -> DeviceRecord:
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return DeviceRecord(props.name, props.major * 10 + props.minor, props.multi_processor_count, smem,
+                        int(getattr(props, "L2_cache_size", 0) or 0))
+
+
+def compiled(device) -> bool:
+    """True where Triton compiles kernels for ``device`` (a CUDA device without the interpreter, or a
+    simulated GPU), False where it interprets them."""
+    return bool(_SIMULATED) or (torch.device(device).type == "cuda" and not interpreting())
+
+
 def triton_device_reason(device) -> str | None:
     """None when Triton kernels can run on ``device`` (CUDA/ROCm, or the CPU under the interpreter)."""
     kind = torch.device(device).type
-    if kind == "cuda" or (kind == "cpu" and interpreting()):
+    if kind == "cuda" or (kind == "cpu" and (interpreting() or _SIMULATED)):
         return None
     return f"Triton needs a CUDA/ROCm device (got {kind}; set TRITON_INTERPRET=1 to test on CPU)"
 
@@ -93,6 +150,9 @@ def triton_pdl_reason() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _device_pdl_reason(device: torch.device) -> str | None:
+    if _SIMULATED:
+        arch = _SIMULATED[0].arch
+        return triton_pdl_reason() if arch >= 90 else f"needs compute capability 9.0+; this GPU is {arch / 10}"
     if device.type != "cuda" or interpreting():
         return f"needs a CUDA device without TRITON_INTERPRET (got {device.type})"
     if torch.version.hip is not None:
@@ -116,21 +176,6 @@ def pdl_reason(device) -> str | None:
 
 
 _SAID: set[str] = set()
-
-
-def device_limits(device: torch.device) -> tuple[int, int] | None:
-    """(SM count, shared memory a block may opt in to, in bytes) of a CUDA ``device``; None elsewhere
-    (the interpreter: no limit)."""
-    if device.type != "cuda":
-        return None
-    return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_limits(device_index: int) -> tuple[int, int]:
-    props = torch.cuda.get_device_properties(device_index)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-    return props.multi_processor_count, smem
 
 
 def say_once(log: logging.Logger, msg: str) -> None:

@@ -2,7 +2,7 @@
 
 ComfyUI's int8_tensorwise ConvRot weights are stored rotated per group of G input features
 (``W_rot = W @ H.T``, H the normalized regular Hadamard matrix of size G); a product with them
-needs the input rotated the same way (``x_g @ H``). ``kernels.gemv.hadamard_rotate`` is the Triton
+needs the input rotated the same way (``x_g @ H``). ``convrot_triton.hadamard_rotate`` is the Triton
 version of ``hadamard_rotate_torch``.
 """
 
@@ -30,6 +30,6 @@ def hadamard(size: int, *, dtype: torch.dtype = torch.float32, device=None) -> t
 
 def hadamard_rotate_torch(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """x ``[..., K]`` with every group of ``G = h.shape[0]`` features times ``h``: float32 products,
-    one rounding to x's dtype. Same math as ``kernels.gemv.hadamard_rotate``."""
+    one rounding to x's dtype. Same math as ``convrot_triton.hadamard_rotate``."""
     g = h.shape[0]
     return (x.reshape(-1, g).float() @ h.to(device=x.device, dtype=torch.float32)).to(x.dtype).reshape(x.shape)

@@ -9,28 +9,15 @@ can keep any prefix, the last row's over the committed state itself when the cal
 gated RMSNorm ``rms_norm(o) * w * silu(z)`` of the output. The conv window (old state followed by
 the new rows) is written out too, so the caller can commit any number of rows. Each window column
 is loaded once (conv taps held in registers, the window sliding by one row per row), and row t+1's
-inputs are loaded before row t's state math and stores: a load that follows a store cannot move
-above it, so before, each row began with a full L2 round trip. Per launch on an H100
-(``benchmarks/deltanet_step.py``, before / after, processes interleaved): 4 rows rotated (an int8
-MTP-3 verify) 17.21 / 17.11 -> 15.16 / 15.07 us, 4 rows 13.76 -> 11.97, 1 row whole heads 5.30 ->
-4.97, 1 row rotated unchanged (5.70 / 5.66 -> 5.67 / 5.67); results bit-identical. The 9B int8
-file in ComfyUI on that H100: forced MTP-3 697.3 / 695.1 / 698.1 -> 704.2 / 698.3 / 704.0 tok/s,
-MTP off 278.7 / 278.7 / 278.7 -> 280.4 / 280.4 / 280.3 (three processes each). The unfused torch
-path (``engine/deltanet.py`` + the layer's modules) computes the same function; rounding points
-follow it: conv output and SiLU are rounded to the execution dtype, as is ``o`` before the norm and
-the normalised ``o`` before the gate. With programmatic dependent launch (``kernels/pdl.py``) the
-state and the constants are read before waiting for the projections. With ``rotate=G`` the output
-is also written ConvRot-rotated, as an int8_convrot ``out_proj`` reads it: the value columns are
-then split over programs and a second small kernel does the gated norm over two heads at a time (a
-group of 256 spans two 128-wide heads) and the rotation. Measured and not taken: that work done
-by the last of each pair's step programs to finish (a device counter per pair), 24 launches fewer
-per 9B int8 token: 337.1 against 338.6 tok/s in ComfyUI (H200, processes interleaved), since one
-program per pair then does it in the step's tail, where the overlapped second launch cost no more.
-Also measured and not taken: every row's inputs loaded and convolved first, as ``[S, channels]``
-tiles, each row then picked out of them for the serial delta rule (so no state store precedes the
-next row's loads). Per launch on an H100 (``benchmarks/deltanet_step.py``): 1 row, whole heads 5.32
--> 6.57 us, 4 rows 13.75 -> 17.46; rotated, 1 row 5.75 -> 5.42, 4 rows 14.90 -> 17.07; the 9B int8
-file in ComfyUI MTP off 278.3 / 277.4 -> 276.6 / 276.7 tok/s (processes before, after, after, before).
+inputs are loaded before row t's state math and stores (a load that follows a store cannot move
+above it). The unfused torch path (``engine/deltanet.py`` + the layer's modules) computes the
+same function; rounding points follow it: conv output and SiLU are rounded to the execution dtype,
+as is ``o`` before the norm and the normalised ``o`` before the gate. With programmatic dependent
+launch (``pdl.py``) the state and the constants are read before waiting for the projections. With
+``rotate=G`` the output is also written ConvRot-rotated, as an int8_convrot ``out_proj`` reads it:
+the value columns are then split over programs and a second small kernel does the gated norm over
+two heads at a time (a group of 256 spans two 128-wide heads) and the rotation. Launch settings
+(value-column blocks, warps) come from ``launch.deltanet``.
 """
 
 from __future__ import annotations
@@ -39,47 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch
 from .convrot import convrot_group_ok
-from .fused_ops import convrot_rows
-from .gemv import hadamard_cached, hadamard_rotate
-from .overrides import EnvOverrides, entries, pow2_between
+from .convrot_triton import convrot_rows, hadamard_cached, hadamard_rotate
 from .pdl import enter, launch_args, trigger, wait
-
-#: Launch overrides for in-step measurements (``load_overrides``): entries ``ROWS=BLOCKS,WARPS``, or
-#: ``ROWSr=BLOCKS,WARPS`` for the launches whose gated norm also writes the ConvRot output (an int8
-#: ConvRot ``out_proj``), separated by ``;`` (BLOCKS the value-column blocks per head, 1..16, and
-#: warps 1..16, powers of two). Read when a fused plan is built (each generation).
-CONFIG_ENV = "QWEN35_FAST_DELTANET_CONFIG"
-
-
-def parse_overrides(text: str) -> dict[tuple[int, bool], tuple[int, int]]:
-    """``CONFIG_ENV``'s value -> ``{(rows, rotate): (blocks, warps)}``; ValueError naming the entry
-    and the form when one is malformed or out of range."""
-    form = "entries like '1r=4,4' or '4=2,8' (ROWS[r]=BLOCKS,WARPS) separated by ';'"
-    out = {}
-    for entry in entries(text):
-        key, _, value = entry.partition("=")
-        key = key.strip()
-        rotate = key.endswith("r")
-        try:
-            rows = int(key[:-1] if rotate else key)
-            blocks, warps = (int(v) for v in value.split(","))
-        except ValueError:
-            raise ValueError(f"{CONFIG_ENV}: cannot read {entry!r}: {form}") from None
-        if not 1 <= rows <= 16 or not pow2_between(blocks, 1, 16) or not pow2_between(warps, 1, 16):
-            raise ValueError(f"{CONFIG_ENV}: {entry!r} is out of range (rows 1..16, blocks and warps powers of "
-                             f"two up to 16): {form}")
-        out[(rows, rotate)] = (blocks, warps)
-    return out
-
-
-_OVERRIDES = EnvOverrides(CONFIG_ENV, parse_overrides)
-
-
-def load_overrides() -> dict:
-    """Read ``CONFIG_ENV`` again (``FusedPlan.build``, each generation); returns the overrides in
-    force. ValueError (``parse_overrides``) leaves the previous ones."""
-    return _OVERRIDES.load()
 
 
 @triton.jit
@@ -363,7 +313,7 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
         raise ValueError(f"gated_delta_step: rotate={rotate} must be a ConvRot group size (a power of 4) that "
                          f"divides the output width {hv * dv}")
     heads = _rotation_heads(rotate, hv, dv)  # value heads per gated-norm program (0: no rotation there)
-    split, warps = _config(dk, dv, s, bool(heads)) if config is None else config
+    split, warps = launch.deltanet(dk, dv, s, bool(heads), qkv.device) if config is None else config
     if split == 1:  # whole heads: the step kernel does the gated norm itself, a rotation launch follows
         heads = 0
     if dv % split or not _pow2(dv // split):
@@ -396,33 +346,10 @@ def gated_delta_step(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
 def _rotation_heads(rotate: int, hv: int, dv: int) -> int:
     """Value heads per gated-norm program when that kernel can write the ConvRot-``rotate`` output
     (G 16 or 256 over whole groups of at least 256 columns, heads of at least 16 columns, as
-    ``fused_ops.convrot_rows`` takes them), else 0."""
+    ``convrot_triton.convrot_rows`` takes them), else 0."""
     if rotate not in (16, 256) or dv < 16:
         return 0
     width = max(rotate, 256)
     if width % dv or hv % (width // dv):
         return 0
     return width // dv
-
-
-def _config(dk: int, dv: int, rows: int, rotate: bool = False) -> tuple[int, int]:
-    """(value-column blocks, warps) for one launch. Measured on an H200 at the 9B shape (Dk = Dv =
-    128, 32 heads, ``benchmarks/deltanet_step.py``): 1 row, whole heads with 4 warps 6.4 us (8
-    warps 10.0); 4 rows, 4 column blocks with 4 warps 12.8 us (whole heads, 8 warps 50.6): more
-    programs hide the serial row chain, 4 warps keep the state tile out of local memory. ``rotate``
-    (the gated norm's kernel writes a ConvRot-256 output): 1 row, 4 column blocks + that kernel
-    5.9 us against 8.0 for whole heads + a rotation launch (``--rotate 256``). Measured and not
-    taken, with row t+1's inputs loaded early (H100, ``results/deltanet_step_warps_h100*.json``):
-    fewer warps per program, down to one (so the sums over Dk need no shared memory). Per launch
-    4 rows rotated ran 12.5 us at 8 blocks of 1 warp against 13.1 for the pick, yet the 9B int8
-    file in ComfyUI (``comfy_e2e.py --variants``, medians of two) ran forced MTP-3 at 677.9 tok/s
-    with 8 blocks of 1 warp, 689.2 with 16, 700.6 with 16 at 4 rows only, against 701.0 with the
-    picks, and MTP off at 276.9 / 275.6 against 278.9; earlier 8 blocks of 2 warps 701.3 against
-    704.2. ``CONFIG_ENV`` may name another (checked against Dv at launch)."""
-    if (rows, rotate) in _OVERRIDES.values:
-        return _OVERRIDES.values[(rows, rotate)]
-    if dv % 4 or dv // 4 < 16:
-        return 1, 4
-    if rows == 1 and not rotate:
-        return 1, 4
-    return 4, 4

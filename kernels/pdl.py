@@ -46,7 +46,7 @@ __all__ = ["enter", "launch_args", "trigger", "wait"]
 def _gdc_wait():
     # The PTX of Triton 3.6's own ``gdc_wait``. Triton's helpers are not called: Triton 3.4.0's
     # (torch 2.8's) take a ``_builder`` argument its compiler no longer passes, so every kernel
-    # calling them failed to compile there (``tests/test_consumer_gpu.py`` compiles the step under it).
+    # calling them failed to compile there (``tests/kernels/test_consumer_gpu.py`` compiles the step under it).
     tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..enhancer.enhancer_images import MAX_IMAGES
+from ..enhancer.prompt_enhancer import MAX_LENGTH_LIMIT, OFFICIAL, PRESET_NAMES, enhance
 from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
-from ..patches.enhancer_images import MAX_IMAGES
-from ..patches.prompt_enhancer import MAX_LENGTH_LIMIT, OFFICIAL, PRESET_NAMES, enhance
 
 
 class Qwen35PromptEnhancer(io.ComfyNode):

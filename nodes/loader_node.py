@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..patches import model_fetch
+from ..downloads import model_fetch
 from ..patches.clip_loader import NO_MTP_FILE, load_qwen35_clip
 
 

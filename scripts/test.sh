@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh requirements-dev.txt
 .venv/bin/python -m ruff check .
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
 matrix="${QWEN35_FAST_COMFYUI_MATRIX:-$([ $# -eq 0 ] && echo 1 || echo 0)}"
 if [ "$matrix" != 0 ]; then
   bash scripts/test_comfyui.sh

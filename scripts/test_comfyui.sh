@@ -23,8 +23,8 @@ while read -r kind label tree extra; do
   [ "$kind" = tree ] || continue
   [[ " $only " == *" $label "* ]] || continue
   pp="${PYTHONPATH:-}"; [ "$extra" != - ] && pp="$extra${pp:+:$pp}"  # v5cache: its comfy-kitchen first
-  files=(tests/test_comfyui_core.py tests/test_engine_comfyui.py)
-  [[ " $server " == *" $label "* ]] && files+=(tests/test_comfyui_integration.py)
+  files=(tests/comfyui/test_comfyui_core.py tests/comfyui/test_engine_comfyui.py)
+  [[ " $server " == *" $label "* ]] && files+=(tests/comfyui/test_comfyui_integration.py)
   select=()
   [ "$one_tree" = all ] || [ "$one_tree" = "$label" ] || select=(-m "not one_tree")
   echo "=== ComfyUI $label ($tree): ${files[*]}"

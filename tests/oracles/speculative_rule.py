@@ -1,5 +1,5 @@
 """The speculative acceptance rule restated one draft at a time on the host (float64; test-only):
-the exact pieces ``sampling.speculative_accept_rows`` draws from on the device."""
+the exact pieces ``draw.speculative_accept_rows`` draws from on the device."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""First-use downloads from the Hugging Face Hub: system prompts, PE files, the MTP head by range reads."""

@@ -1,0 +1,165 @@
+"""The Qwen-Image 2.1 prompt enhancer on a ComfyUI CLIP: chat text -> ComfyUI tokens -> the
+length-aware patch -> engine -> thinking / answer / parsed JSON / latent size.
+
+Presets carry the official sampling settings; the system prompt ``"official"`` is Qwen's own for the
+preset, fetched once into the models folder (not bundled: Qwen Research License); text the user writes
+replaces it. Edit mode takes up to 10 images. Thinking is on by default, as in the official pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..downloads import model_fetch
+from ..patches import clip_patch
+from ..patches import comfy_bridge as bridge
+from . import enhancer_images
+from .enhancer_answer import parse_answer, size_for_ratio, split_thinking
+
+log = logging.getLogger(__name__)
+
+#: The official sampling settings of the two enhancer modes ("custom" takes the node's own values).
+PRESETS: dict[str, dict] = {
+    "text-to-image": {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5},
+    "edit": {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0},
+}
+PRESET_NAMES = (*PRESETS, "custom")
+#: The system_prompt value that means "Qwen's official prompt for this preset" (fetched once, then offline).
+OFFICIAL = "official"
+VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+MAX_LENGTH_LIMIT = 65536
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
+
+
+def preset_settings(name: str) -> dict:
+    """The sampling settings of an official preset (a copy of ``PRESETS[name]``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
+    return dict(PRESETS[name])
+
+
+def chat_text(system_prompt: str, prompt: str, n_images: int, thinking: bool) -> str:
+    """Qwen3.5 chat text in ComfyUI's tokenizer convention (one ``<|image_pad|>`` per image)."""
+    parts = []
+    if system_prompt.strip():
+        parts.append(f"<|im_start|>system\n{system_prompt.strip()}<|im_end|>\n")
+    parts.append(f"<|im_start|>user\n{VISION_BLOCK * n_images}{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    parts.append("<think>\n" if thinking else "<think>\n\n</think>\n\n")
+    return "".join(parts)
+
+
+def _models_dir() -> str:
+    import folder_paths
+
+    return folder_paths.models_dir
+
+
+def resolve_system_prompt(system_prompt: str, preset: str) -> str:
+    """The system prompt to use: Qwen's official one for ``"official"``, else the user's text.
+
+    Empty is refused for the official presets (the enhancer without its instructions answers badly,
+    and silently); ``custom`` may run without one.
+    """
+    text = (system_prompt or "").strip()
+    if text.lower() == OFFICIAL:
+        if preset not in model_fetch.PROMPT_REPOS:
+            raise ValueError(f"system_prompt '{OFFICIAL}' needs preset text-to-image or edit (each has its own "
+                             "official prompt); with preset 'custom' write the system prompt yourself.")
+        return model_fetch.official_system_prompt(preset, _models_dir())
+    if not text and preset in model_fetch.PROMPT_REPOS:
+        raise ValueError(
+            f"The system prompt is empty, so the {preset} enhancer would run without its instructions. Set "
+            f"system_prompt to '{OFFICIAL}' (Qwen's prompt for this preset, fetched once from "
+            f"{model_fetch.PROMPT_REPOS[preset]}) or write your own; only preset 'custom' runs without one.")
+    return text
+
+
+@dataclass
+class EnhancerResult:
+    rewritten_prompt: str
+    thinking: str
+    wh_ratio: str
+    ratio_follow: str
+    width: int
+    height: int
+    parse_ok: bool
+    text: str
+    stats: object = None
+
+
+def check_inputs(clip, prompt: str, images, max_length: int) -> bridge.Qwen35Target:
+    """Validate before any work; raise ValueError naming the fix."""
+    target = bridge.find_qwen35(clip)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("The prompt is empty: type what the image should show (or what to change in the "
+                         "input image).")
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or not 1 <= max_length <= MAX_LENGTH_LIMIT:
+        raise ValueError(f"max_length must be between 1 and {MAX_LENGTH_LIMIT}, got {max_length!r}. The "
+                         "official settings use 16256 (text-to-image) and 24000 (edit).")
+    if images:
+        if bridge.has_vision_weights(clip) is False:
+            raise ValueError(
+                "Images were connected but this Qwen3.5 checkpoint has no vision weights (model.visual.*). "
+                "Use the edit prompt-enhancer file (qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot."
+                "safetensors) or disconnect the images.")
+    return target
+
+
+def enhance(clip, prompt: str, *, system_prompt: str = OFFICIAL, images=None, preset: str = "text-to-image",
+            custom: dict | None = None, max_length: int = 16256, seed: int = 0, mtp="auto",
+            attention: str = "auto", thinking: bool = True, megapixels: float = 1.0) -> EnhancerResult:
+    """Run the prompt enhancer; ``custom`` sampling values are used when ``preset == "custom"``."""
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    image_list = enhancer_images.prepare_images(images or [])
+    check_inputs(clip, prompt, image_list, max_length)
+    enhancer_images.check_image_references(prompt, len(image_list))
+    if preset == "custom":
+        settings = {k: (custom or {})[k] for k in _SAMPLING_KEYS}
+    else:
+        settings = preset_settings(preset)
+    system = resolve_system_prompt(system_prompt, preset)
+    text = chat_text(system, prompt, len(image_list), thinking)
+    tokens = clip.tokenize(text, images=image_list) if image_list else clip.tokenize(text)
+    if image_list and not bridge.has_images(tokens):
+        raise bridge.Qwen35Unsupported("ComfyUI's tokenizer did not attach the images to the prompt: "
+                                       "update ComfyUI to use images with Qwen3.5.")
+    patched = clip_patch.patch_clip(clip, mtp=mtp, attention=attention)
+    ids = patched.generate(tokens, do_sample=True, max_length=max_length, temperature=settings["temperature"],
+                           top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
+                           repetition_penalty=1.0, seed=seed, presence_penalty=settings["presence_penalty"])
+    stats = getattr(ids, "stats", None)
+    stops = set(bridge.stop_tokens_of(bridge.find_qwen35(clip)))
+    body = list(ids)
+    while body and body[-1] in stops:
+        body.pop()
+    text_out = clip.decode(body, skip_special_tokens=False)
+    if thinking and "<think>" not in text_out.split("</think>")[0]:
+        text_out = "<think>\n" + text_out  # the prompt opened the block; let split_thinking see it
+    thinking_text, answer = split_thinking(text_out)
+    parsed = parse_answer(answer)
+    ratio = parsed.wh_ratio if isinstance(parsed.wh_ratio, str) else (
+        "" if parsed.wh_ratio is None else str(parsed.wh_ratio))
+    follow = "" if parsed.ratio_follow in (None, False) else str(parsed.ratio_follow)
+    followed = enhancer_images.followed_image(parsed.ratio_follow, len(image_list))
+    if followed is not None:  # keep that input image's shape, as the official pipeline does
+        width, height = size_for_ratio(enhancer_images.image_ratio(image_list[followed]), megapixels)
+    else:
+        width, height = size_for_ratio(parsed.wh_ratio, megapixels)
+    rewritten, parse_ok = parsed.rewritten_prompt, bool(parsed.parse_ok)
+    if not (rewritten or "").strip():
+        # The token budget ended inside the thinking block (or the answer was empty): never hand an
+        # empty prompt to the image model; fall back to the user's own prompt and say so.
+        unfinished = thinking and "</think>" not in text_out
+        why = (f"the model was still thinking when max_length ({max_length} tokens) ran out"
+               if unfinished else "the model gave an empty answer")
+        message = (f"Qwen3.5 prompt enhancer: {why}; using your own prompt unchanged (parse_ok False). "
+                   "Raise max_length (official: 16256 text-to-image, 24000 edit) for an enhanced prompt.")
+        log.warning("%s", message)
+        bridge.show_warning(message)
+        rewritten, parse_ok = prompt.strip(), False
+    elif not parse_ok:
+        log.warning("Qwen3.5 prompt enhancer: the answer had no usable JSON; returning the raw answer")
+    return EnhancerResult(rewritten, thinking_text, ratio, follow, int(width), int(height), parse_ok, text_out, stats)

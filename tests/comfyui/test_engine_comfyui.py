@@ -1,0 +1,165 @@
+"""Opt-in: the engine bound to ComfyUI's own ``Qwen35`` modules (in process, CPU, tiny random weights).
+
+Set ``QWEN35_FAST_COMFYUI=<ComfyUI checkout>`` and run with a Python that has ComfyUI's
+requirements. Checks that ``bind`` accepts the real tree (BaseGenerate instance and its ``.model``),
+that engine greedy tokens equal core ComfyUI's ``generate`` with ``manual_cast`` ops (its
+weight-casting path, including tied logits through ``comfy.ops.cast_bias_weight``), that a
+grafted MTP head keeps them, and that sampling with the same seed gives core's tokens when
+top-k is off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from qwen35_fast.engine import bind, build_mtp_head, generate
+from qwen35_fast.patches.comfy_bridge import WEIGHTS, comfy_weight_cast
+
+from tests.oracles.comfy_tree import fp8_scaled, import_comfyui, int8_convrot
+from tests.oracles.tiny import add_mtp, make_tiny, to_layout
+
+COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
+pytestmark = [pytest.mark.comfyui,
+              pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI checkout> to run")]
+
+#: How the ComfyUI layer binds: tied logits cast by comfy.ops, weights read in place by its resolver.
+BIND = dict(weight_cast=comfy_weight_cast, weights=WEIGHTS)
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    c = import_comfyui(COMFY)
+    return c.ops, c.text_encoders.qwen35
+
+
+def _comfy_model(comfy, sd, d, ops=None, layout=None):
+    """ComfyUI's ``Qwen35`` (no vision tower) with ``ops`` (default ``manual_cast``), loaded from
+    ``sd`` in ComfyUI's key layout (``layout(sd)`` first when given, e.g. int8 quantization)."""
+    comfy_ops, qwen35 = comfy
+    ops = comfy_ops.manual_cast if ops is None else ops
+    cfg = qwen35.Qwen35Config(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
+        linear_num_key_heads=d["linear_num_key_heads"], linear_num_value_heads=d["linear_num_value_heads"],
+        linear_key_head_dim=d["linear_key_head_dim"], linear_value_head_dim=d["linear_value_head_dim"],
+        layer_types=list(d["layer_types"]), lm_head=not d["tied"], stop_tokens=[])
+
+    class Tiny(qwen35.Qwen35):  # ComfyUI's class without its (large) vision tower
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.num_layers = cfg.num_hidden_layers
+            self.model = qwen35.Qwen35Transformer(cfg, device="cpu", dtype=torch.float32, ops=ops)
+            self.dtype = torch.float32
+            self.mtp = None  # newer core's own MTP head slot (built by load_clip from mtp.* tensors)
+
+    model = Tiny()
+    text = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+    text = to_layout(text, "comfyui")
+    missing, unexpected = model.load_state_dict(text if layout is None else layout(text), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_on_comfyui_modules(comfy, rng, tied):
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    sd, d = make_tiny(seed, strength=0.5, tied=tied)
+    model = _comfy_model(comfy, sd, d)
+    b = bind(model)
+    assert bind(model.model).transformer is model.model and b.mtp is None
+    emb = torch.randn(6, d["hidden_size"], generator=rng)
+    with torch.no_grad():
+        core = model.generate(emb.clone(), do_sample=False, max_length=20, stop_tokens=[],
+                              execution_dtype=torch.float32)
+    ours = generate(model, emb, **BIND, do_sample=False, max_length=20, mtp="off", stop_tokens=[],
+                    execution_dtype=torch.float32)
+    assert ours.tokens == core
+    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
+    model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, b.config)
+    spec = generate(model, emb, **BIND, do_sample=False, max_length=20, mtp=3, stop_tokens=[],
+                    execution_dtype=torch.float32)
+    assert spec.tokens == core and spec.stats.drafted > 0
+    kw = dict(do_sample=True, max_length=20, stop_tokens=[], execution_dtype=torch.float32, seed=5, top_k=0,
+              top_p=0.9, temperature=1.0, presence_penalty=0.5)
+    with torch.no_grad():
+        core_s = model.generate(emb.clone(), **kw)
+    assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_s
+    # top-k on (the PE settings): ComfyUI draws over the top-k list in topk order; so does the engine
+    kw.update(top_k=20, top_p=0.95, repetition_penalty=1.05, seed=11)
+    with torch.no_grad():
+        core_k = model.generate(emb.clone(), **kw)
+    assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8_convrot"] + [pytest.param(f, marks=pytest.mark.one_tree) for f in
+                                                               ("int8_convrot256", "float8_e4m3fn", "float8_e5m2")])
+def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
+    """ComfyUI's own modules as its loader leaves them (``manual_cast`` ops, or ``MixedPrecisionOps``
+    with int8_tensorwise + ConvRot or per-tensor fp8 weights; ``comfy_cast_weights`` / ``comfy_force_cast_weights`` set
+    as ``ModelPatcher.load`` writes them on a CLIP): the fused plan reads every projection in place (nothing left
+    on the module path) and its greedy tokens, MTP off and depth 3, equal the module path's, where
+    ComfyUI itself dequantizes (``_full_precision_mm``: weight-only, like the fast path). CPU, Triton
+    interpreter. ``int8_convrot256``: ComfyUI's default group of 256 on a model 256 wide (head_dim 256),
+    so the norm, SiLU and gate kernels and the DeltaNet step's gated norm rotate in their own tiles,
+    and the products that feed a norm split over K (float32 partials summed by the norm); it reads
+    the weights as ``int8_convrot`` does, and its cost (about 4 minutes on 2 CPU cores) is the pack's
+    kernels interpreted, so ``scripts/test_comfyui.sh`` runs it on one tree (``one_tree``). So do the
+    fp8 cases (about a minute each): the newer trees are 0.29.0 with newer text-encoder files, and
+    their fp8 loading (``quant_ops.py``, ``MixedPrecisionOps``) is 0.29.0's; ``float`` and
+    ``int8_convrot`` bind every tree's module tree."""
+    from qwen35_fast.engine.fused import FusedPlan
+    from qwen35_fast.kernels import convrot_triton, deltanet_step, gemv
+
+    ops, _ = comfy
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    wide = dict(hidden_size=256, intermediate_size=256, head_dim=256, linear_value_head_dim=64) \
+        if fmt == "int8_convrot256" else {}
+    sd, d = make_tiny(seed, strength=0.5, **wide)
+    if wide:
+        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False, *rest: 2)
+        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False, *rest: (16, 64, 4, 2))  # K 256: 2 partials
+    group = 256 if wide else 16
+    fp8 = getattr(torch, fmt) if fmt.startswith("float8") else None
+    layout = None if fmt == "float" else (lambda sd: fp8_scaled(sd, fp8)) if fp8 else \
+        (lambda sd: int8_convrot(sd, group=group))
+    model = _comfy_model(comfy, sd, d, ops=ops.manual_cast if layout is None else ops.mixed_precision_ops(
+        {}, torch.float32), layout=layout)
+    for m in model.modules():  # the flags ModelPatcher.load writes on a CLIP's modules (say "may cast")
+        m.comfy_force_cast_weights = True
+        if hasattr(m, "comfy_cast_weights"):
+            m.comfy_cast_weights = True
+    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
+    model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, bind(model).config)
+    b = bind(model, **BIND)
+    plan, why = FusedPlan.build(b, "cpu", torch.float32)
+    if plan is None and "Triton" in why:
+        pytest.skip(why)
+    assert plan is not None, why
+    assert plan.unresolved == {}, plan.describe()
+    if layout is not None:
+        kind = fmt if fp8 else "int8+ConvRot"
+        assert plan.formats.get(kind) == 3 * (5 + 3) + (4 + 3) + 1, plan.formats  # lm_head; MTP float
+        if fp8:
+            assert plan.norm_rotation == {}
+        else:
+            assert set(plan.norm_rotation.values()) == {group} and len(plan.norm_rotation) == 2 * 4, \
+                plan.norm_rotation
+        for m in model.modules():
+            if getattr(m, "quant_format", None) in ("int8_tensorwise", fmt):
+                m._full_precision_mm = True  # the module path: ComfyUI dequantizes, then a float matmul
+    emb = torch.randn(11, d["hidden_size"], generator=rng)
+    for mtp in ("off", 3):
+        kw = dict(do_sample=False, max_length=8 if wide else 12, mtp=mtp, stop_tokens=[],
+                  execution_dtype=torch.float32, attention="torch", cuda_graphs=False)
+        fused = generate(model, emb, **BIND, fused=True, **kw)
+        assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens, mtp
+    if wide:  # the producers' rotated outputs are used (the DeltaNet step's too): rotation launches only for lm_head
+        rotations, rotate = [], convrot_triton.hadamard_rotate
+        for mod in (gemv, deltanet_step, convrot_triton):
+            monkeypatch.setattr(mod, "hadamard_rotate", lambda x, h: rotations.append(1) or rotate(x, h))
+        out = generate(model, emb, **BIND, fused=True, **dict(kw, mtp="off", max_length=5))
+        # per decode step lm_head's input; once more for the prompt's last row
+        assert len(rotations) == (len(out.tokens) - 1) + 1, len(rotations)
