@@ -119,6 +119,9 @@ def fp8_reason(device) -> str | None:
     """None when the GEMV can widen fp8 weights on ``device`` (NVIDIA compute capability 8.9+, the
     fp8 conversions Triton emits, or the CPU interpreter), else why not (one line)."""
     device = torch.device(device)
+    if _SIMULATED and device.type == "cpu":
+        arch = _SIMULATED[0].arch
+        return None if arch >= 89 else f"fp8 weights are read in place on compute capability 8.9+ (this is {arch})"
     if device.type != "cuda":
         return None if interpreting() else f"fp8 weights are read in place on CUDA GPUs, not {device.type}"
     if torch.version.hip:
