@@ -233,7 +233,7 @@ class FusedPlan:
 
     def _split(self, plain, rows: int) -> int:
         w = plain.weight
-        return launch.gemv(w.shape[0], w.shape[1], plain.quantized, rows, w.device)[1]
+        return launch.split_k(w.shape[0], w.shape[1], plain.quantized, rows, w.device)
 
     def lins(self, modules, x) -> list[torch.Tensor]:
         """Projections of the same rows x (grouped into one launch where they are int8; x's rotated

@@ -102,7 +102,7 @@ def hadamard_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     if triton_device_reason(x.device) is not None:
         return hadamard_rotate_torch(x, h)
     k = x.shape[-1]
-    x2 = _rows(x, k)
+    x2 = flat_rows(x, k)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     groups, block_j = 16, min(64, g)  # 16 groups: the smallest tile the tensor-core dot takes
     hh = h.to(device=x.device, dtype=x.dtype).contiguous()
@@ -112,7 +112,8 @@ def hadamard_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return y.reshape(x.shape)
 
 
-def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+def flat_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x ``[..., k]`` as ``[M, k]`` rows with a unit column stride (a view where one exists)."""
     x2 = x.reshape(-1, k)
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 

@@ -12,7 +12,7 @@ on the tensor cores, float32 accumulation.
 * ``gemv_group``: up to four weights that read the same x in one launch (a DeltaNet layer's four
   input projections, q/k/v, gate/up); a tile loop per weight, each with buffers of its own.
 * ``split=P``: K cut into P ranges with programs of their own, float32 partials returned for a
-  consumer that sums them (``norms.add_rms_norm``); ``split_k`` gives the launch table's P.
+  consumer that sums them (``norms.add_rms_norm``); ``launch.split_k`` gives the table's P.
 * K slices (a launch config's fifth value): the program's warps own slices of each K tile instead
   of columns, one batched dot, the slices summed after the loop (Triton 3.3+, ``SLICES_REASON``).
 * ``row_norm``: each row's result times the RMSNorm factor a deferred norm left (``row_norm.py``).
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import launch
 from .capabilities import FP8_DTYPES, QUANT_DTYPES, compiled, fp8_reason, pdl_reason, say_once
-from .convrot_triton import hadamard_cached, hadamard_rotate
+from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
 from .pdl import launch_args, trigger, wait
 from .ptx import e4m3_bf16, prefetch_share
 from .row_norm import RowNorm
@@ -48,7 +48,7 @@ except ImportError:  # very old Triton: nothing to catch by name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "SLICES_REASON", "gemv", "gemv_group", "gemv_reason", "split_k"]
+__all__ = ["MAX_GROUP", "MAX_GEMV_ROWS", "SLICES_REASON", "gemv", "gemv_group", "gemv_reason"]
 
 MAX_GEMV_ROWS = 16  # rows one launch takes (padded to 16 for the tensor-core dot); decode rows are <= 8
 MAX_GROUP = 4
@@ -224,13 +224,6 @@ def gemv_reason(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = N
 
 
 
-def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    x2 = x.reshape(-1, k)
-    return x2 if x2.stride(1) == 1 else x2.contiguous()
-
-
-
-
 def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[torch.Tensor] | None = None,
                convrot: int = 0, config: tuple[int, ...] | None = None,
                split: int = 1, row_norm: RowNorm | None = None,
@@ -268,7 +261,7 @@ def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], *, scales: list[tor
             raise ValueError(f"gemv: unsupported operands: {why}; call torch.nn.functional.linear")
     if convrot:
         x = hadamard_rotate(x, hadamard_cached(convrot, x.device, x.dtype))
-    x2 = _rows(x, k)
+    x2 = flat_rows(x, k)
     m = x2.shape[0]
     nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
     ns = [w.shape[0] for w in weights]
@@ -328,12 +321,6 @@ def _picked(n: int, k: int, quant: bool, rows: int, x: torch.Tensor, weights: in
                       "(1.5% slower in the 9B int8 step on an H200): update Triton (it comes with torch 2.7+)")
         return (cfg[0], 128, cfg[2], 5) if n >= 11264 else (cfg[0], 256, cfg[2], 4)
     return cfg
-
-
-def split_k(n: int, k: int, quant: bool, rows: int, device) -> int:
-    """K ranges (``gemv_group(split=)``) for one weight ``[n, k]`` read by ``rows`` rows on
-    ``device``, whose consumer sums the float32 partials: the launch table's (``launch.gemv``)."""
-    return launch.gemv(n, k, quant, rows, device)[1]
 
 
 def _fp8_mode(w_dtype: torch.dtype, x: torch.Tensor) -> int:

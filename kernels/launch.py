@@ -32,6 +32,7 @@ GPU, Triton, date and result files chose the values.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -107,23 +108,23 @@ def read_table(path: str | os.PathLike) -> dict:
     return table
 
 
-_TABLES: list[dict] = []  # every table found, read once
 _PINNED: list[dict] = []  # pinned() tables, first wins
 _CHOSEN: dict[DeviceRecord, dict | None] = {}
 _ANSWERS: dict[tuple, dict] = {}
 
 
-def _tables() -> list[dict]:
-    if not _TABLES:
-        folders = [Path(os.environ[TUNED_DIR_ENV])] if os.environ.get(TUNED_DIR_ENV) else []
-        for folder in folders + [TUNED]:
-            for path in sorted(folder.glob("*.json")):
-                try:
-                    _TABLES.append(read_table(path))
-                except TableError as exc:
-                    log.warning("%s; it is skipped (fix or delete the file)", exc)
-        _TABLES.append({"launches": {}, "path": None})  # marks the read as done
-    return [t for t in _TABLES if t["path"] is not None]
+@functools.lru_cache(maxsize=1)
+def _tables() -> tuple[dict, ...]:
+    """Every table found (the extra folder's first), read once; a bad one is skipped and said."""
+    tables = []
+    folders = [Path(os.environ[TUNED_DIR_ENV])] if os.environ.get(TUNED_DIR_ENV) else []
+    for folder in folders + [TUNED]:
+        for path in sorted(folder.glob("*.json")):
+            try:
+                tables.append(read_table(path))
+            except TableError as exc:
+                log.warning("%s; it is skipped (fix or delete the file)", exc)
+    return tuple(tables)
 
 
 def table_for(record: DeviceRecord | None) -> dict | None:
@@ -188,6 +189,12 @@ def gemv(n: int, k: int, quant: bool, rows: int, device, *, weights: int = 1,
     split = int(found["split"]) if "split" in found else \
         fallback.gemv_split(n, k, quant, record, config[0], config[1])
     return config, split
+
+
+def split_k(n: int, k: int, quant: bool, rows: int, device) -> int:
+    """K ranges for one ``[n, k]`` product read by ``rows`` rows whose consumer sums the float32
+    partials (``gemv_group(split=)``): ``gemv``'s split."""
+    return gemv(n, k, quant, rows, device)[1]
 
 
 def deltanet(dk: int, dv: int, rows: int, rotate: bool, device) -> tuple[int, int]:

@@ -111,7 +111,7 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     their fp8 loading (``quant_ops.py``, ``MixedPrecisionOps``) is 0.29.0's; ``float`` and
     ``int8_convrot`` bind every tree's module tree."""
     from qwen35_fast.engine.fused import FusedPlan
-    from qwen35_fast.kernels import convrot_triton, deltanet_step, gemv
+    from qwen35_fast.kernels import convrot_triton, deltanet_step, gemv, launch
 
     ops, _ = comfy
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
@@ -119,8 +119,8 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
         if fmt == "int8_convrot256" else {}
     sd, d = make_tiny(seed, strength=0.5, **wide)
     if wide:
-        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False, *rest: 2)
-        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False, *rest: (16, 64, 4, 2))  # K 256: 2 partials
+        # every product at 64-wide tiles and 2 K ranges: K 256 gives 2 partials
+        monkeypatch.setattr(launch, "gemv", lambda n, k, quant, rows, device, **kw: ((16, 64, 4, 2), 2))
     group = 256 if wide else 16
     fp8 = getattr(torch, fmt) if fmt.startswith("float8") else None
     layout = None if fmt == "float" else (lambda sd: fp8_scaled(sd, fp8)) if fp8 else \

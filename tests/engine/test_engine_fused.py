@@ -64,11 +64,10 @@ def split(request, monkeypatch):
     (3 ranges of 32-wide tiles, so a 64- or 96-wide K gives 2 or 3 float32 partials) and the norms
     cut into 16-column programs."""
     if request.param == "split-K":
-        from qwen35_fast.kernels import fused_ops, gemv
+        from qwen35_fast.kernels import launch, norms
 
-        monkeypatch.setattr(gemv, "split_k", lambda n, k, quant=False, *rest: 3)
-        monkeypatch.setattr(gemv, "_config", lambda n, k, quant=False, *rest: (16, 32, 4, 2))
-        monkeypatch.setattr(fused_ops, "_NORM_SLICE", 16)  # 4 programs a row: 4 partial sums of squares
+        monkeypatch.setattr(launch, "gemv", lambda n, k, quant, rows, device, **kw: ((16, 32, 4, 2), 3))
+        monkeypatch.setattr(norms, "NORM_SLICE", 16)  # 4 programs a row: 4 partial sums of squares
     return request.param
 
 

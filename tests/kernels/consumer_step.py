@@ -76,6 +76,7 @@ def main(spec: dict) -> dict:
         deltanet_step,
         fused_ops,
         gemv,
+        launch,
     )
 
     capabilities.simulate(capabilities.DeviceRecord(f"simulated sm_{spec['cc']}", spec["cc"], gpu.sms, gpu.shared,
@@ -99,8 +100,8 @@ def main(spec: dict) -> dict:
     for dt_name, fmt in spec["cells"]:
         dt = dtypes[dt_name]
         for rows in spec["rows"]:
-            _step(call, torch, gemv, fused_ops, deltanet_step, attention_triton, argmax, convrot_triton, dt, fmt,
-                  rows, f"{dt_name} {fmt} rows {rows}")
+            _step(call, torch, gemv, launch, fused_ops, deltanet_step, attention_triton, argmax, convrot_triton, dt,
+                  fmt, rows, f"{dt_name} {fmt} rows {rows}")
     pdl_off = capabilities.triton_pdl_reason() if spec["cc"] >= 90 else "compute capability below 9.0"
     return {"triton": __import__("triton").__version__, "pdl": pdl_off, "warnings": warned.messages, "calls": calls}
 
@@ -114,11 +115,12 @@ def _weights(torch, fmt: str, dt, shapes):
     return [torch.empty(s, dtype=dt) for s in shapes], None
 
 
-def _step(call, torch, gemv, fused_ops, deltanet_step, attention_triton, argmax, convrot_triton, dt, fmt, rows, tag):
+def _step(call, torch, gemv, launch, fused_ops, deltanet_step, attention_triton, argmax, convrot_triton, dt, fmt,
+          rows, tag):
     quant = fmt != "float"
     group = GROUP if fmt == "int8" else 0  # ConvRot: the activations arrive rotated
     x = torch.zeros(1, rows, H, dtype=dt)
-    partials = torch.zeros(gemv.split_k(H, H, quant, rows, x.device), 1, rows, H)  # an output projection's split-K
+    partials = torch.zeros(launch.split_k(H, H, quant, rows, x.device), 1, rows, H)  # an output projection's split-K
     norm_w = torch.ones(H)
 
     def lin(name, src, shapes, *, split=1, row_norm=None, prefetch=None, config=None):
@@ -144,14 +146,14 @@ def _step(call, torch, gemv, fused_ops, deltanet_step, attention_triton, argmax,
         torch.zeros(1, rows, HV, dtype=dt), torch.zeros(1, c, CONV - 1, dtype=dt), torch.zeros(c, CONV, dtype=dt),
         -torch.ones(HV), torch.zeros(HV), torch.zeros(1, HV, DK, DV), torch.ones(DV), EPS, key_heads=HK,
         rotate=group, last_in_place=True))
-    lin("DeltaNet out_proj (split K)", x, [(H, H)], split=gemv.split_k(H, H, quant, rows, x.device))
+    lin("DeltaNet out_proj (split K)", x, [(H, H)], split=launch.split_k(H, H, quant, rows, x.device))
     # the MLP: post-attention norm, gate/up, SiLU product, down split over K
     normed = norm("post-attention norm (deferred)", partials, True)
     lin("gate/up", x, [(INTER, H), (INTER, H)], row_norm=normed[-1] if normed else None)
     g = torch.zeros(1, rows, INTER, dtype=dt)
     call(f"{tag}: SiLU product", lambda: fused_ops.silu_mul(g, g, rotate=group))
     lin("MLP down (split K)", torch.zeros(1, rows, INTER, dtype=dt), [(H, INTER)],
-        split=gemv.split_k(H, INTER, quant, rows, x.device))
+        split=launch.split_k(H, INTER, quant, rows, x.device))
     # an attention layer: q (with its gate) / k / v, q/k norm + RoPE into the cache, attention, o_proj
     norm("input norm (not deferred)", partials, False)
     lin("q/k/v", x, [(2 * HQ * HEAD, H), (HKV * HEAD, H), (HKV * HEAD, H)])
@@ -174,7 +176,7 @@ def _step(call, torch, gemv, fused_ops, deltanet_step, attention_triton, argmax,
         call(f"{tag}: decode attention + gate", lambda: attention_triton.triton_decode_attention_gated(
             q, k_cache, v_cache, length, True, HEAD ** -0.5, gate, pending=rows))
     lin("o_proj (split K)", torch.zeros(1, rows, HQ * HEAD, dtype=dt), [(H, HQ * HEAD)],
-        split=gemv.split_k(H, HQ * HEAD, quant, rows, x.device))
+        split=launch.split_k(H, HQ * HEAD, quant, rows, x.device))
     # the step's ends: RoPE tables, final norm, lm_head (prefetching the next step's first weight), argmax
     call(f"{tag}: RoPE tables", lambda: fused_ops.rope_tables(torch.zeros(3, rows, dtype=torch.int64),
                                                               torch.ones(32), torch.zeros(64, dtype=torch.int64)))

@@ -285,7 +285,7 @@ NINE_B_PRODUCTS = [((8192, 4096, 32, 32), 4096), ((8192, 1024, 1024), 4096), ((1
 def test_gpu_int8_9b_products_under_their_picked_configs(ns, k, rows):
     """Every 9B decode product, bf16 rows, under the config and split the kernel picks for it, equals
     x @ W.T in float64 with W as ComfyUI dequantizes it (ConvRot 256)."""
-    from qwen35_fast.kernels.gemv import split_k
+    from qwen35_fast.kernels.launch import split_k
 
     gen = torch.Generator(device="cuda").manual_seed(97 + rows + len(ns) + k)
     h = hadamard(256, device="cuda")

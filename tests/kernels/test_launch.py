@@ -42,11 +42,14 @@ SIZES = [(1024, 3584, 16, 16, 8, 2), (2048, 6144, 16, 16, 8, 2), (2560, 9216, 16
 def fresh_tables(monkeypatch):
     """Each test reads the shipped tables afresh (no extra folder) and leaves no answer behind."""
     monkeypatch.delenv(launch.TUNED_DIR_ENV, raising=False)
-    for cache in (launch._TABLES, launch._CHOSEN, launch._ANSWERS):
-        cache.clear()
+    def forget():
+        launch._tables.cache_clear()
+        launch._CHOSEN.clear()
+        launch._ANSWERS.clear()
+
+    forget()
     yield
-    for cache in (launch._TABLES, launch._CHOSEN, launch._ANSWERS):
-        cache.clear()
+    forget()
 
 
 @pytest.mark.parametrize("gpu", [H200, H100], ids=["H200", "H100"])
