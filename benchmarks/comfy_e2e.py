@@ -56,11 +56,14 @@ after the pack row; with ``--repeat N`` the rows of each max_length run N times 
 settings compared in one process, on one loaded model, interleaved; the table then ends with each
 pack kind's median tok/s and its ratio to the pack row's (a forced MTP-3 variant's: to the forced3
 row's; ``compare``).
+``--accept P ...``: only MTP off, fixed depths 1..5 and ``mtp="auto"`` with drafts kept with
+probability P, greedy and sampled (``benchmarks/mtp_accept.py``; ``--repeat`` runs each P's rows
+again, interleaved).
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
 Usage (a ComfyUI tree on sys.path; comfy-kitchen installed):
-    python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8 fp8]
+    python benchmarks/comfy_e2e.py --comfyui /path/to/ComfyUI [--formats bf16 int8 fp8 w4a4 nvfp4]
         [--max-lengths 4096 24000 65536] [--core-max-lengths 4096 24000] [--tokens 300]
         [--core-tokens 100] [--json out.json] [--size 9b|0.8b] [--dir /dev/shm/qwen35] [--profile] [--memory]
         [--profile-prefill] [--kinds core pack pack-sampled mtp-sampled pack-plain forced3 standalone] [--timeline]
@@ -115,10 +118,15 @@ def _quantized_layer(name: str, t: torch.Tensor) -> bool:
     return name.startswith("layers.") or name == "lm_head.weight"
 
 
+#: ``--formats`` name -> comfy-kitchen layout of the 4-bit files (``patches/convert_4bit.py`` writes the same)
+FOUR_BIT = {"w4a4": "TensorCoreConvRotW4A4Layout", "nvfp4": "TensorCoreNVFP4Layout"}
+
+
 @torch.no_grad()
 def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: bool = True, seed: int = 0) -> None:
     """A random checkpoint (decisive by default, see ``build_model``) in the HF key layout ComfyUI
-    loads, bf16, int8_convrot or fp8 (float8_e4m3fn, one scale per tensor)."""
+    loads, bf16, int8_convrot, fp8 (float8_e4m3fn, one scale per tensor), w4a4 (convrot_w4a4) or nvfp4
+    (the decoder layers in 4 bits, ``lm_head`` int8_convrot: what the converter makes of the official file)."""
     from safetensors.torch import save_file
 
     model = build_model(cfg, device, torch.bfloat16, seed=seed, decisive=decisive).model
@@ -134,7 +142,16 @@ def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: 
             sd[layer + ".weight_scale"] = scale.cpu()
             conf = {"format": "float8_e4m3fn"}
             sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
-        elif fmt == "int8" and _quantized_layer(name, t):
+        elif fmt in FOUR_BIT and _quantized_layer(name, t) and name != "lm_head.weight":
+            from comfy_kitchen.tensor import QuantizedTensor  # ComfyUI's 4-bit layouts, kitchen's quantizers
+
+            kw = {"convrot_groupsize": 256} if fmt == "w4a4" else {}
+            qt = QuantizedTensor.from_float(t, FOUR_BIT[fmt], **kw)
+            sd.update({k: v.cpu() for k, v in qt.state_dict(key).items()})
+            conf = {"format": "convrot_w4a4", **kw} if fmt == "w4a4" else {"format": "nvfp4"}
+            sd[key[:-len(".weight")] + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()),
+                                                                      dtype=torch.uint8)
+        elif fmt in ("int8", *FOUR_BIT) and _quantized_layer(name, t):  # 4-bit files: lm_head int8, as converted
             from comfy_kitchen.tensor import TensorWiseINT8Layout
 
             q, params = TensorWiseINT8Layout.quantize(t, is_weight=True, per_channel=True, convrot=True,
@@ -326,6 +343,20 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         patched_mtp = patch_clip(clip, mtp=3)
         clock.run(lambda: patched_mtp.generate(tokens, max_length=64, **sampled), 32)
         first_use("first-use mtp-sampled", clock.last)
+    if args.accept:
+        from qwen35_fast.engine import bind
+
+        from benchmarks.mtp_accept import sweep
+
+        modes = {"greedy": greedy, "sampled": sampled}
+        rows += sweep(fmt, target, embeds, clock, ps=args.accept, tokens=args.tokens,
+                      max_length=args.max_lengths[0], modes={m: modes[m] for m in args.accept_modes},
+                      vocab=bind(target.transformer).config.vocab_size, repeat=args.repeat)
+        comfy.model_management.unload_all_models()
+        patched = target = embeds = clip = loaded = None
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return rows
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the pack's execution dtype
     hooks = dict(weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS)  # the patch's binding hooks
     if args.profile:
@@ -527,8 +558,13 @@ def markdown(run: dict) -> str:
              "| first token s | end-to-end tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     first = []
+    if any(r["kind"] == "accept" for r in run["rows"]):
+        from benchmarks.mtp_accept import table
+
+        lines[0] = lines[0].replace(", greedy", "")
+        lines[2:] = ["MTP at forced acceptance P (tok/s; `--accept`):", "", table(run["rows"]), ""] + lines[2:]
     for r in run["rows"]:
-        if r["kind"] in ("profile", "prefill_profile") or r["kind"].startswith(("timeline", "host_profile")):
+        if r["kind"] in ("profile", "prefill_profile", "accept") or r["kind"].startswith(("timeline", "host_profile")):
             # lists, not timed rows
             continue
         if r["kind"].startswith("first-use"):  # a warm-up's wall time, below the table
@@ -573,7 +609,7 @@ def compare(rows: list[dict]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--comfyui", help="a ComfyUI tree (imported in process)")
-    ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8", "fp8"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8", "fp8", *FOUR_BIT])
     ap.add_argument("--kinds", nargs="+", default=["core", "pack", "forced3", "standalone"])
     ap.add_argument("--max-lengths", nargs="+", type=int, default=[4096, 24000, 65536])
     ap.add_argument("--core-max-lengths", nargs="+", type=int, default=[4096, 24000])
@@ -601,6 +637,10 @@ def main() -> None:
                          "forced3 in --kinds also forced MTP-3 rows (pack-forced3@NAME) right after the forced3 row")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run each max_length's rows this many times over, in the same interleaved order")
+    ap.add_argument("--accept", nargs="+", type=float, metavar="P",
+                    help="instead of the rows above: MTP off, depths 1..5 and auto with each draft kept with "
+                         "probability P (benchmarks/mtp_accept.py), at the first --max-lengths, --tokens tokens")
+    ap.add_argument("--accept-modes", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"])
     ap.add_argument("--json", default="comfy_e2e.json")
     ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()

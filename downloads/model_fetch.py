@@ -7,7 +7,8 @@ Three things, each fetched once and reused offline afterwards:
   stored under ComfyUI's models folder;
 * the MTP head of a Qwen3.5 base model: only the ``mtp.*`` tensors, read by HTTP range requests
   (``mtp_fetch.py``, over ``hub_client.py`` and ``safetensors_header.py``);
-* the Comfy-Org prompt-enhancer files, downloaded whole with progress.
+* the Comfy-Org prompt-enhancer files, downloaded whole with progress, resumable, sha256-verified
+  (``whole_file.py``).
 
 ``huggingface_hub`` is imported lazily (ComfyUI installs it); it supplies the endpoint
 (``HF_ENDPOINT``), the token (``HF_TOKEN`` or ``hf auth login``), the cache folder and the HTTP
@@ -16,19 +17,19 @@ session. Every failure raises :class:`FetchError` with a message that names the 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
-import shutil
 
-from .hub_client import MIB, PART, FetchError, Progress, endpoint, hub_download, hub_module
+from .hub_client import MIB, PART, FetchError, Progress, endpoint, hub_download
 from .mtp_fetch import INDEX_FILE, MTP_BASE_REPOS, fetch_mtp_head
 from .safetensors_header import local_header, tensor_shapes
+from .transfer import Check
+from .whole_file import fetch_whole
 
 __all__ = ["DOWNLOAD", "INDEX_FILE", "MTP_BASE_REPOS", "PE_FILES", "PE_REPO", "PROMPT_FILE", "PROMPT_REPOS",
-           "FetchError", "comfy_progress", "download_repo", "fetch_mtp_head", "fetch_pe_file", "mtp_download_options",
-           "mtp_head_for", "official_system_prompt", "prompt_path"]
+           "FetchError", "comfy_check", "comfy_progress", "download_repo", "fetch_mtp_head", "fetch_pe_file",
+           "mtp_download_options", "mtp_head_for", "official_system_prompt", "prompt_path"]
 
 log = logging.getLogger(__name__)
 
@@ -100,48 +101,19 @@ def _download_prompt(repo: str, path: str) -> None:
 # Whole files (the Comfy-Org prompt-enhancer checkpoints)
 # --------------------------------------------------------------------------------------------
 
-def _progress_tqdm(progress: Progress):
-    """A tqdm class for huggingface_hub that reports bytes to ``progress``."""
-    from tqdm.auto import tqdm
+def fetch_pe_file(name: str, dest_dir: str, *, progress: Progress | None = None, check: Check | None = None) -> str:
+    """Path of ``dest_dir/name`` (a Comfy-Org prompt-enhancer file), downloaded first if absent.
 
-    class _Bar(tqdm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._done = int(kwargs.get("initial", 0) or 0)
-
-        def update(self, n=1):
-            self._done += int(n or 0)
-            if self.total:
-                progress(min(self._done, int(self.total)), int(self.total))
-            return super().update(n)
-
-    return _Bar
-
-
-def fetch_pe_file(name: str, dest_dir: str, *, progress: Progress | None = None) -> str:
-    """Path of ``dest_dir/name`` (a Comfy-Org prompt-enhancer file), downloaded first if absent."""
+    Resumable (``<name>.<etag>.part`` is kept after Cancel or a broken connection and continued by
+    the next call), one fetch at a time, verified against the Hub's size and sha256 before it is
+    renamed into place (``whole_file.fetch_whole``).
+    """
     if name not in PE_FILES:
         raise FetchError(f"{name!r} is not a Comfy-Org prompt-enhancer file; known: {', '.join(PE_FILES)}")
-    dest = os.path.join(dest_dir, name)
-    if os.path.isfile(dest):
-        return dest
-    hub = hub_module()
     filename = f"{PE_SUBFOLDER}/{name}"
-    staging = os.path.join(dest_dir, ".qwen35_download", name[: -len(".safetensors")])  # hf's resumable .incomplete
     by_hand = f"hf download {PE_REPO} {filename} --local-dir <ComfyUI>/models"
-    kwargs = dict(local_dir=staging)
-    if progress is not None and "tqdm_class" in inspect.signature(hub.hf_hub_download).parameters:
-        kwargs["tqdm_class"] = _progress_tqdm(progress)
-    log.info("Downloading %s from %s (about 10 GB) into %s", filename, PE_REPO, dest_dir)
-    got = hub_download(PE_REPO, filename, f"{PE_REPO}/{filename}", by_hand, **kwargs)
-    os.replace(got, dest)
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        os.rmdir(os.path.dirname(staging))  # only when no other download is staged there
-    except OSError:
-        pass
-    log.info("%s is ready in %s", name, dest_dir)
-    return dest
+    return fetch_whole(PE_REPO, filename, os.path.join(dest_dir, name), what=f"{PE_REPO}/{filename} (about 10 GB)",
+                       by_hand=by_hand, progress=progress, check=check)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,7 +136,8 @@ def download_repo(option: str) -> str | None:
     return None
 
 
-def mtp_head_for(option: str, clip_path: str, dest_dir: str, *, progress: Progress | None = None) -> str:
+def mtp_head_for(option: str, clip_path: str, dest_dir: str, *, progress: Progress | None = None,
+                 check: Check | None = None) -> str:
     """Path of the MTP head a ``download (<repo>)`` choice stands for, fetched on first use.
 
     The size comes from the main checkpoint's tensor shapes (header only), which also give the
@@ -188,7 +161,21 @@ def mtp_head_for(option: str, clip_path: str, dest_dir: str, *, progress: Progre
     if want != repo:
         raise FetchError(f"{name} is a Qwen3.5 {size}; its MTP head comes from {want}, not {repo}: pick "
                          f"'{DOWNLOAD.format(want)}'.")
-    return fetch_mtp_head(size, dest_dir, expected_shapes=config.mtp_shapes(), progress=progress)
+    return fetch_mtp_head(size, dest_dir, expected_shapes=config.mtp_shapes(), progress=progress, check=check)
+
+
+def comfy_check() -> Check:
+    """Raises ComfyUI's interrupt when Cancel was pressed (a download's ``check``; its ``.part`` stays)."""
+    def check() -> None:
+        try:
+            import comfy.model_management as mm
+        except ImportError:
+            return
+        throw = getattr(mm, "throw_exception_if_processing_interrupted", None)
+        if throw is not None:
+            throw()
+
+    return check
 
 
 def comfy_progress() -> Progress:
@@ -196,6 +183,7 @@ def comfy_progress() -> Progress:
     import comfy.utils
 
     state = {"bar": None, "mib": -1}
+    cancelled = comfy_check()
 
     def update(done: int, total: int) -> None:
         mib_total = max(1, math.ceil(total / MIB))
@@ -205,12 +193,6 @@ def comfy_progress() -> Progress:
         if mib != state["mib"]:
             state["mib"] = mib
             state["bar"].update_absolute(min(mib, mib_total), mib_total)
-        try:
-            import comfy.model_management as mm
-        except ImportError:
-            return
-        check = getattr(mm, "throw_exception_if_processing_interrupted", None)
-        if check is not None:
-            check()  # Cancel: the .part file stays and the next run resumes it
+        cancelled()  # Cancel: the .part file stays and the next run resumes it
 
     return update

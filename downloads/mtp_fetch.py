@@ -1,7 +1,9 @@
 """The MTP head of a Qwen3.5 base model, fetched by HTTP range reads: only the ``mtp.*`` tensors
 of the shards that hold them (about 0.5 GB for 9B instead of its 19 GB), written as one
-safetensors file through a ``.part`` file that a later call resumes, verified (size, header,
-shapes) before it is moved into place.
+safetensors file through a ``.part`` file that a later call resumes (``transfer``), one fetch at a
+time per file, and checked completely (``head_check``: names, shapes, float dtypes, finite values,
+safetensors' own parser) with the sha256 of its data recorded before it is moved into place. A
+head found in place is re-checked by that sha256 before it is used.
 """
 
 from __future__ import annotations
@@ -10,24 +12,22 @@ import json
 import logging
 import os
 import struct
-import time
-from dataclasses import dataclass
 
+from . import transfer
+from .head_check import FLOAT_DTYPES, SHA_KEY, SHA_PLACEHOLDER, check_head, record_sha256
 from .hub_client import (
     MIB,
     PART,
     FetchError,
     Interrupted,
     Progress,
-    Remote,
     endpoint,
     is_network_error,
     read_bytes,
-    read_range,
     resolve,
     unreachable,
 )
-from .safetensors_header import local_header, remote_header, tensor_shapes
+from .safetensors_header import remote_header, tensor_shapes
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ MTP_BASE_REPOS = {
 }
 INDEX_FILE = "model.safetensors.index.json"
 MTP_PREFIXES = ("mtp.", "model.mtp.")
-CHUNK = 16 * MIB           # bytes per range request
 
 
 def mtp_head_name(size: str) -> str:
@@ -56,17 +55,16 @@ def base_repo(size: str) -> str:
     return MTP_BASE_REPOS[size]
 
 
-@dataclass
-class _Piece:
-    """A run of bytes ``[start, end)`` of one shard, copied to the output at ``out``."""
+def _shard(name, repo: str) -> str:
+    """A shard file name from the index: a plain relative ``.safetensors`` path of the repository."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    if "\\" in name or any(p in ("", ".", "..") for p in parts) or not name.endswith(".safetensors"):
+        raise FetchError(f"{repo}/{INDEX_FILE} on {endpoint()} names the shard {name!r}, which is not a "
+                         ".safetensors file of the repository: the index is corrupt.")
+    return name
 
-    remote: Remote
-    start: int
-    end: int
-    out: int
 
-
-def _plan(repo: str, revision: str) -> tuple[bytes, list[_Piece], int, str]:
+def _plan(repo: str, revision: str) -> tuple[bytes, list[transfer.Piece], int, str]:
     """(output header bytes, pieces to copy, data size, commit) for the ``mtp.*`` tensors of ``repo``."""
     index_remote = resolve(repo, INDEX_FILE, revision)
     commit = index_remote.commit
@@ -82,9 +80,9 @@ def _plan(repo: str, revision: str) -> tuple[bytes, list[_Piece], int, str]:
                          "Qwen3.5 repository of the same size.")
     by_shard: dict[str, list[str]] = {}
     for name in names:
-        by_shard.setdefault(weight_map[name], []).append(name)
+        by_shard.setdefault(_shard(weight_map[name], repo), []).append(name)
     out_header: dict = {}
-    pieces: list[_Piece] = []
+    pieces: list[transfer.Piece] = []
     sources = {}
     pos = 0
     for shard in sorted(by_shard):
@@ -97,6 +95,9 @@ def _plan(repo: str, revision: str) -> tuple[bytes, list[_Piece], int, str]:
                              "repository is inconsistent or the shard is corrupt.")
         for name in sorted(by_shard[shard], key=lambda k: header[k]["data_offsets"][0]):
             entry = header[name]
+            if entry["dtype"] not in FLOAT_DTYPES:
+                raise FetchError(f"{repo}/{shard} stores {name!r} as {entry['dtype']}, not a float dtype "
+                                 f"({', '.join(FLOAT_DTYPES)}): use the base (unquantized) Qwen3.5 repository.")
             b, e = entry["data_offsets"]
             out_name = "mtp." + name.split("mtp.", 1)[1]
             out_header[out_name] = {"dtype": entry["dtype"], "shape": entry["shape"],
@@ -104,16 +105,17 @@ def _plan(repo: str, revision: str) -> tuple[bytes, list[_Piece], int, str]:
             if pieces and pieces[-1].remote is remote and pieces[-1].end == data_start + b:
                 pieces[-1].end = data_start + e  # contiguous in the shard: one run
             else:
-                pieces.append(_Piece(remote, data_start + b, data_start + e, pos))
+                pieces.append(transfer.Piece(remote, data_start + b, data_start + e, pos))
             pos += e - b
     out_header["__metadata__"] = {"format": "pt", "source": f"mtp.* tensors of {repo}@{commit}",
-                                  "source_files": json.dumps(sources, sort_keys=True)}
+                                  "source_files": json.dumps(sources, sort_keys=True), SHA_KEY: SHA_PLACEHOLDER}
     raw = json.dumps(out_header, sort_keys=True, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw, pieces, pos, commit
 
 
-def _check_shapes(shapes: dict, expected: dict | None, where: str, fix: str) -> None:
+def _check_names(shapes: dict, expected: dict | None, where: str, fix: str) -> None:
+    """The planned head has exactly the expected tensors, in the expected shapes."""
     if expected is None:
         return
     want = {k: tuple(v) for k, v in expected.items()}
@@ -123,25 +125,42 @@ def _check_shapes(shapes: dict, expected: dict | None, where: str, fix: str) -> 
         if tuple(shapes[name]) != shape:
             raise FetchError(f"{where}: {name!r} has shape {tuple(shapes[name])}, this model needs {shape}: the head "
                              f"is for another Qwen3.5 size. {fix}")
+    extra = sorted(set(shapes) - set(want))
+    if extra:
+        raise FetchError(f"{where} has {extra[0]!r}, which is not part of this model's MTP head. {fix}")
 
 
 def fetch_mtp_head(size: str, dest_dir: str, *, expected_shapes: dict | None = None,
-                   progress: Progress | None = None, revision: str = "main", retries: int = 3,
-                   repo: str | None = None) -> str:
+                   progress: Progress | None = None, check: transfer.Check | None = None, revision: str = "main",
+                   retries: int = 3, repo: str | None = None) -> str:
     """Path of ``dest_dir/qwen3.5_<size>_mtp_head.safetensors``, downloaded first if absent.
 
-    Only the ``mtp.*`` tensors of the base repository's shards are fetched (range reads). The file is
-    written through ``<name>.part`` (kept after an interruption and resumed by the next call) and
-    renamed into place once complete and verified; ``expected_shapes`` (canonical ``mtp.*`` name ->
-    shape, e.g. from the main checkpoint) are checked on the new file and on an existing one.
-    ``progress(done, total)`` is called at every MiB.
+    Only the ``mtp.*`` tensors of the base repository's shards are fetched (range reads). One fetch
+    per file runs at a time (threads and processes); the file is written through ``<name>.part``
+    (kept after an interruption or Cancel and resumed by the next call) and renamed into place once
+    complete and verified. ``expected_shapes`` (canonical ``mtp.*`` name -> shape, e.g. from the
+    main checkpoint) must match exactly, on the new file and on an existing one; an existing file
+    that fails its checks is a FetchError saying to delete it. ``progress(done, total)`` is called at
+    every MiB; ``check()`` at least every ``hub_client.TICK`` seconds, and what it raises (Cancel)
+    stops the download with the ``.part`` kept.
     """
     repo = repo or base_repo(size)
     dest = os.path.join(dest_dir, mtp_head_name(size))
-    fix = f"Delete {dest} and pick 'download ({repo})' again, or choose the head of the right size."
-    if os.path.isfile(dest):
-        _check_shapes(tensor_shapes(local_header(dest)), expected_shapes, os.path.basename(dest), fix)
-        return dest
+    fix = (f"Delete it ({dest}) and pick 'download ({repo})' again to fetch a verified copy, or choose the head of "
+           "the right size.")
+    if not os.path.isfile(dest):
+        os.makedirs(dest_dir, exist_ok=True)
+        with transfer.locked(dest, check):
+            if not os.path.isfile(dest):
+                _download(repo, revision, dest, expected_shapes, progress, check, retries)
+                return dest
+            log.info("%s was fetched by another download meanwhile; using it", dest)
+    check_head(dest, shapes=expected_shapes, finite=False, fix=fix)
+    return dest
+
+
+def _download(repo: str, revision: str, dest: str, expected_shapes: dict | None, progress: Progress | None,
+              check: transfer.Check | None, retries: int) -> None:
     by_hand = (f"hf download {repo} --include 'model.safetensors*' --local-dir <folder>, then run the pack's "
                "tools/extract_mtp_head.py on that folder")
     try:
@@ -154,10 +173,9 @@ def fetch_mtp_head(size: str, dest_dir: str, *, expected_shapes: dict | None = N
         if not is_network_error(exc):
             raise
         raise unreachable(f"the MTP head of {repo}", exc, by_hand) from exc
-    planned = {k: tuple(v["shape"]) for k, v in json.loads(header_bytes[8:]).items() if k != "__metadata__"}
-    _check_shapes(planned, expected_shapes, f"{repo}@{commit[:12]}", "Pick the base repository of this model's size.")
+    planned = tensor_shapes(json.loads(header_bytes[8:]))
+    _check_names(planned, expected_shapes, f"{repo}@{commit[:12]}", "Pick the base repository of this model's size.")
 
-    os.makedirs(dest_dir, exist_ok=True)
     part = dest + PART
     done = _resume_point(part, header_bytes, total)
     if done:
@@ -165,31 +183,28 @@ def fetch_mtp_head(size: str, dest_dir: str, *, expected_shapes: dict | None = N
     else:
         log.info("Downloading the MTP head of %s (%.0f MiB of mtp.* tensors, by range reads) into %s",
                  repo, total / MIB, dest)
-        with open(part, "wb") as f:
+        with transfer.open_part(part, append=False) as f:
             f.write(header_bytes)
     if progress:
         progress(done, total)
-    attempts = 0
-    while done < total:
-        try:
-            done = _copy_pieces(part, pieces, done, total, progress)
-        except Interrupted as exc:
-            attempts += 1
-            if attempts > retries:
-                raise FetchError(
-                    f"The MTP head download of {repo} broke off at {done / MIB:.0f} of {total / MIB:.0f} MiB "
-                    f"({exc}). Run again to resume from there ({os.path.basename(part)} is kept).") from exc
-            done = os.path.getsize(part) - len(header_bytes)
-            log.warning("MTP head download interrupted (%s); resuming at %.0f MiB", exc, done / MIB)
-            time.sleep(min(2.0 ** attempts, 8.0) * 0.25)
-    _finish(part, dest, header_bytes, total, expected_shapes, fix)
-    log.info("MTP head of %s written to %s", repo, dest)
-    return dest
+    transfer.copy_pieces(part, len(header_bytes), pieces, done, total, what=f"the MTP head of {repo}",
+                         progress=progress, check=check, retries=retries)
+
+    def verify(path: str) -> None:
+        if os.path.getsize(path) != len(header_bytes) + total:
+            raise FetchError(f"{os.path.basename(path)} has {os.path.getsize(path)} bytes, expected "
+                             f"{len(header_bytes) + total}; it was removed, run again.")
+        record_sha256(path)
+        check_head(path, shapes=expected_shapes or planned, finite=True,
+                   fix=f"The download was removed; if this repeats, the files of {repo} on {endpoint()} are broken.")
+
+    transfer.finish(part, dest, verify)
+    log.info("MTP head of %s written to %s (verified, sha256 recorded)", repo, dest)
 
 
 def _resume_point(part: str, header_bytes: bytes, total: int) -> int:
     """Data bytes already in ``part`` when it was started with the same header (same source files), else 0."""
-    if not os.path.isfile(part):
+    if not transfer.part_exists(part):
         return 0
     with open(part, "rb") as f:
         same = f.read(len(header_bytes)) == header_bytes
@@ -199,36 +214,3 @@ def _resume_point(part: str, header_bytes: bytes, total: int) -> int:
     log.info("Discarding %s: it belongs to another version of the source files", part)
     os.remove(part)
     return 0
-
-
-def _copy_pieces(part: str, pieces: list[_Piece], done: int, total: int, progress: Progress | None) -> int:
-    """Append the data from output offset ``done`` on; return the new offset (``total`` when complete)."""
-    with open(part, "ab") as f:
-        for piece in pieces:
-            length = piece.end - piece.start
-            if piece.out + length <= done:
-                continue
-            offset = done - piece.out  # > 0 only for the piece an interruption cut
-            while offset < length:
-                stop = min(length, offset + CHUNK)
-                for block in read_range(piece.remote, piece.start + offset, piece.start + stop):
-                    f.write(block)
-                    before, done = done, done + len(block)
-                    offset += len(block)
-                    if progress and (done // MIB != before // MIB or done == total):
-                        progress(done, total)
-                f.flush()
-    return done
-
-
-def _finish(part: str, dest: str, header_bytes: bytes, total: int, expected: dict | None, fix: str) -> None:
-    """Verify ``part`` (size, header, shapes) and move it into place; remove it when it is wrong."""
-    try:
-        if os.path.getsize(part) != len(header_bytes) + total:
-            raise FetchError(f"{os.path.basename(part)} has {os.path.getsize(part)} bytes, expected "
-                             f"{len(header_bytes) + total}; it was removed, run again.")
-        _check_shapes(tensor_shapes(local_header(part)), expected, os.path.basename(dest), fix)
-    except FetchError:
-        os.remove(part)
-        raise
-    os.replace(part, dest)

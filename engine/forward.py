@@ -127,15 +127,20 @@ class Runner:
         its int64 ``[1]`` view (graph friendly: a replay reads the token the last one wrote).
         The embedding, ``forward``, the output projection in its own dtype and the argmax
         (``kernels/argmax.py`` where the fused kernels run, else torch's: the same index)."""
+        return self.forward_token_hidden(ids, pos)[0]
+
+    def forward_token_hidden(self, ids: torch.Tensor, pos: torch.Tensor):
+        """``forward_token``, also returning the step's hidden states: ``(token int64 [1], hidden
+        [1,1,H], prenorm [1,1,H])`` (``forward``'s pair; the MTP head's input for this row)."""
         if ids.shape != (1, 1) or ids.dtype != torch.int64:
             raise ValueError(f"forward_token takes int64 ids [1, 1], got {ids.dtype} {tuple(ids.shape)}")
-        hidden, _ = self.forward(self.binding.embed(ids, self.dtype, self.device), pos)
+        hidden, pre = self.forward(self.binding.embed(ids, self.dtype, self.device), pos)
         logits = self.binding.logits(hidden, cast=False).reshape(1, -1)
         token = ids.view(1)
         argmax = self._argmax_kernels(logits)
         if argmax is not None:
-            return argmax.argmax_rows(logits, out=token)
-        return token.copy_(logits.argmax(dim=-1))
+            return argmax.argmax_rows(logits, out=token), hidden, pre
+        return token.copy_(logits.argmax(dim=-1)), hidden, pre
 
     def _argmax_kernels(self, logits: torch.Tensor):
         """``kernels.argmax`` when the fused path runs and its kernels take these logits, else None."""

@@ -45,7 +45,7 @@ from .fused_parts import (
     resident,
     triton_ops,
 )
-from .plain_weights import linear_group, linear_rows
+from .plain_weights import linear_group, linear_rows, split_of
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,7 @@ class FusedPlan:
                 unresolved[name], modules[name] = why, mod
                 continue
             linears[id(mod)] = plain
-            kind = "int8" + ("+ConvRot" if plain.convrot else "") if plain.weight.dtype == torch.int8 \
-                else str(plain.weight.dtype).replace("torch.", "")
-            formats[kind] = formats.get(kind, 0) + 1
+            formats[plain.kind] = formats.get(plain.kind, 0) + 1
             if mod is binding.output_module:
                 output = plain
         plan = cls(ops, norms, convs, mlps, eps.pop(), linears, unresolved, output, formats, modules)
@@ -232,8 +230,7 @@ class FusedPlan:
                            prefetch_bytes=self.prefetch_bytes.get(id(module)))
 
     def _split(self, plain, rows: int) -> int:
-        w = plain.weight
-        return launch.split_k(w.shape[0], w.shape[1], plain.quantized, rows, w.device)
+        return split_of(plain, rows)
 
     def lins(self, modules, x) -> list[torch.Tensor]:
         """Projections of the same rows x (grouped into one launch where they are int8; x's rotated

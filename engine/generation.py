@@ -3,8 +3,8 @@
 ``generate`` checks the request once (``request.GenerationRequest``), builds the runner stack
 (``stack.build_runner``) and runs the loop below. Without MTP every step feeds the pending token
 and samples the next one, launched one step ahead of the host (``_decode_ahead``). With MTP
-(depth k) a step drafts k tokens with the MTP head over the catch-up rows
-(``speculative.draft``), verifies ``[pending, d1..dk]`` in one causal forward of
+(depth k, fixed or chosen per cycle by ``mtp_auto``) a step drafts k tokens with the MTP head
+over the catch-up rows (``speculative.draft``), verifies ``[pending, d1..dk]`` in one causal forward of
 k + 1 rows, accepts a prefix of the drafts plus a correction or bonus token
 (``speculative.accept``), and commits 1 + accepted rows in every layer. The terms are defined in
 ``engine/speculative.py``.
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .binding import Qwen35Binding, bind
+from .mtp_auto import DepthController, FixedDepth, cycle_costs
 from .readback import Readback
 from .request import GenerationRequest
 from .rope import RowPositions
@@ -34,7 +35,11 @@ class GenerationStats:
     ``tokens``: generated tokens; ``steps``: model forwards after the prefill; ``drafted`` /
     ``accepted``: MTP drafts proposed / kept (``acceptance_rate`` = accepted / drafted, 0 without
     drafts); ``prefill_s``: prompt forward up to the first token; ``decode_s``: the rest;
-    ``tok_per_s``: tokens after the first per decode second; ``mtp_depth``: 0 when MTP is off;
+    ``tok_per_s``: tokens after the first per decode second; ``mtp_depth``: 0 when MTP is off,
+    else the fixed depth or (``mtp_auto``) the deepest ``mtp="auto"`` could choose;
+    ``mtp_depths``: {depth: cycles run at it} (0: tokens of plain steps between cycles);
+    ``mtp_acceptance``: per draft position, the share of drafts kept where the ones before were
+    (None where never reached); ``mtp_off``: why ``mtp="auto"`` ran plain steps, or None;
     ``attention_backend``: the decode-attention backend used.
     """
 
@@ -47,6 +52,10 @@ class GenerationStats:
     decode_s: float = 0.0
     tok_per_s: float = 0.0
     mtp_depth: int = 0
+    mtp_auto: bool = False
+    mtp_depths: dict = field(default_factory=dict)
+    mtp_acceptance: list = field(default_factory=list)
+    mtp_off: str | None = None
     attention_backend: str = ""
 
 
@@ -76,7 +85,9 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     None (positions 0..T-1) or ComfyUI's MRoPE ids ``[3,T]`` / ``[3,1,T]`` for image prompts (decode
     continues at max + 1). Sampling arguments follow ComfyUI's ``BaseGenerate.generate``;
     ``initial_tokens`` only feed the penalties; ``min_tokens`` forbids stop tokens before that many
-    tokens. ``mtp``: "off", "auto" (depth 3 with an MTP head, else off) or a depth 1..5.
+    tokens. ``mtp``: "off", a depth 1..5, or "auto": with an MTP head, the depth (0..5) chosen before
+    every cycle from the acceptance so far and the measured cost of each depth (``mtp_auto``);
+    without one, off.
     ``mtp_draft``: "argmax" (point-mass drafts, default) or "sample" (drafts drawn from the head's
     filtered distribution; acceptance min(1, p/q)); benchmarks may pass ``fn(position) -> token``,
     whose token replaces each draft after the head ran (forced acceptance when it knows the answer).
@@ -114,15 +125,13 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
 
 def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStats, req: GenerationRequest,
          callback) -> GenerationResult:
-    """The decode loop: prefill, then one step per pending token until a stop token or max_length."""
+    """Prefill, then the MTP-off loop (``_decode_ahead``) or the MTP loop (``_speculate``) until a
+    stop token or max_length."""
     device, dtype = runner.device, runner.dtype
-    cache = runner.cache
-    embeds, max_length, depth = req.embeds, req.max_length, req.mtp_depth
     positions = RowPositions(req.positions)
     t0 = time.perf_counter()
-    prompt_len = req.prompt_len
-    hidden, pre = runner.forward(embeds, positions.rows(0, prompt_len), keep_rows=False)
-    cache.commit()
+    hidden, pre = runner.forward(req.embeds, positions.rows(0, req.prompt_len), keep_rows=False)
+    runner.cache.commit()
     logits = sampler.mask(binding.logits(hidden[:, -1:])[0], 0)
     token = sampler.draw(logits)
     sampler.accept([token])
@@ -140,92 +149,144 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
     report([token])
     if token in sampler.stops:
         return GenerationResult(list(sampler.generated), stats, "stop_token")
-
-    use_prenorm = binding.mtp_hidden == "prenorm"
-    # MTP catch-up rows: true hidden states and the embedding of the token that follows each.
-    if depth:
-        catchup_hidden = pre if use_prenorm else hidden
-        catchup_emb = torch.cat([embeds[:, 1:], binding.embed(token_ids([token], device), dtype, device)], dim=1)
-        mtp_start = 0
-
-    if not depth:
-        stop = _decode_ahead(binding, runner, sampler, positions, max_length, stats, report)
+    if not req.mtp_depth:
+        stop, _ = _decode_ahead(binding, runner, sampler, positions, req.max_length, stats, report)
         return GenerationResult(list(sampler.generated), stats, stop)
-    # The next step's MTP catch-up is launched right behind the verify, before the host reads what
-    # the verify kept (``catch_up``), and its drafts before the host's bookkeeping for the step that
-    # just ended (the main cache's commit, the callback): the GPU never waits for the host between
-    # steps. ``pending_id``: the pending token on the device when known there.
-    pinned = torch.empty(3 * depth + 2, dtype=torch.int64, pin_memory=True) \
+    if req.mtp_auto:
+        key = (id(binding.transformer), id(binding.mtp), str(dtype), str(device), sampler.greedy,
+               type(runner).__name__, stats.attention_backend)
+        costs = cycle_costs(key, req.mtp_depth)
+        control = DepthController(req.mtp_depth, costs, start=costs.last_depth)
+    else:
+        control = FixedDepth(req.mtp_depth)
+    # MTP catch-up rows: true hidden states and the embedding of the token that follows each.
+    first = pre if binding.mtp_hidden == "prenorm" else hidden
+    catch = [(first, torch.cat([req.embeds[:, 1:], binding.embed(token_ids([token], device), dtype, device)], dim=1))]
+    try:
+        stop = _speculate(binding, runner, sampler, positions, req, stats, report, control, catch)
+    finally:
+        if req.mtp_auto:
+            costs.last_depth = control.depth
+        summary = control.summary()
+        stats.mtp_auto = req.mtp_auto
+        stats.mtp_depths, stats.mtp_acceptance, stats.mtp_off = summary["depths"], summary["acceptance"], summary["off"]
+    return GenerationResult(list(sampler.generated), stats, stop)
+
+
+def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowPositions, req: GenerationRequest,
+               stats: GenerationStats, report, control, catch: list) -> str:
+    """The MTP loop: before each cycle ``control`` names its depth k (``mtp_auto.FixedDepth`` or
+    ``DepthController``); k > 0 drafts k tokens and verifies them, 0 runs a plain segment
+    (``_decode_ahead`` keeping its hidden states, which join ``catch``, the MTP head's pending
+    catch-up rows ``[(hidden [1,R,H], next-token embeddings [1,R,H]), ...]``). Returns the stop
+    reason.
+
+    The next cycle's MTP catch-up is launched right behind the verify, before the host reads what
+    the verify kept (``catch_up``), and its drafts before the host's bookkeeping for the cycle that
+    just ended (the main cache's commit, the callback): the GPU never waits for the host between
+    cycles. ``pending_id``: the pending token on the device when known there. Cycle wall times go
+    to ``control``, except a cycle that captured graphs (the first at its depth) or caught up
+    after a plain segment."""
+    device, dtype, cache = runner.device, runner.dtype, runner.cache
+    max_length, use_prenorm = req.max_length, binding.mtp_hidden == "prenorm"
+    pinned = torch.empty(3 * req.mtp_depth + 2, dtype=torch.int64, pin_memory=True) \
         if torch.device(device).type == "cuda" else None
-    drafted, pending_id = None, None
+    drafted, pending_id, mtp_start = None, None, 0
+    ran: set[int] = set()
+    clock = time.perf_counter()
     while len(sampler.generated) < max_length:
         length = cache.length
-        pending = sampler.generated[-1]
-        if pending_id is None:
-            pending_id = to_device([pending], device)
-        k = min(depth, max_length - len(sampler.generated) - 1)
-        ahead = None
+        room = max_length - len(sampler.generated) - 1
+        k = drafted[0].shape[0] if drafted is not None else min(control.choose(), room)
         if k == 0:
-            rows = binding.embed(pending_id.view(1, 1), dtype, device)
-            hidden, _, logits = runner.forward_logits(rows, positions.rows(length, 1))
-            cache.commit()
-            stats.steps += 1
-            logits = sampler.mask(logits[0], len(sampler.generated))
-            new, pending_id = [sampler.draw(logits)], None
-        else:
-            if drafted is None:
-                drafted = draft(binding, runner, sampler, positions, catchup_hidden, catchup_emb, mtp_start, length, k)
-            (drafts, qs), drafted = drafted, None
-            stats.drafted += k
-            rows = binding.embed(torch.cat([pending_id, drafts]).view(1, -1), dtype, device)
-            hidden, pre, logits = runner.forward_logits(rows, positions.rows(length, k + 1))
-            stats.steps += 1
-            logits = sampler.mask(logits[0], len(sampler.generated))
-            verdict = judge(sampler, logits, drafts, qs, pinned)
-            if min(depth, max_length - len(sampler.generated) - 2) > 0:  # the next step can draft
-                ahead = catch_up(binding, runner, positions, pre if use_prenorm else hidden, verdict, length)
-            new, accepted, pending_id = settle(verdict)
-            stats.accepted += accepted
+            count = min(control.segment_length(), room + 1) if room else 1
+            keep = torch.empty(1, count, binding.config.hidden_size, dtype=dtype, device=device)
+            before = len(sampler.generated)
+            stop, per_token = _decode_ahead(binding, runner, sampler, positions, before + count, stats, report,
+                                            keep=(keep, use_prenorm))
+            new = sampler.generated[before:]
+            if room:  # a segment the controller asked for (not the last token's single step)
+                control.plain(len(new), per_token)
+            if stop == "stop_token" or len(sampler.generated) >= max_length:
+                return stop
+            if not catch:
+                mtp_start = length
+            catch.append((keep, binding.embed(token_ids(new, device), dtype, device)))
+            pending_id, clock = None, time.perf_counter()
+            continue
+        timed = k in ran
+        ran.add(k)
+        if pending_id is None:
+            pending_id = to_device([sampler.generated[-1]], device)
+        if drafted is None:
+            hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
+            drafted = draft(binding, runner, sampler, positions, hid, emb, mtp_start, length, k)
+            catch, timed = [], False
+        (drafts, qs), drafted = drafted, None
+        stats.drafted += k
+        rows = binding.embed(torch.cat([pending_id, drafts]).view(1, -1), dtype, device)
+        hidden, pre, logits = runner.forward_logits(rows, positions.rows(length, k + 1))
+        stats.steps += 1
+        logits = sampler.mask(logits[0], len(sampler.generated))
+        verdict = judge(sampler, logits, drafts, qs, pinned)
+        ahead = None
+        if room > 1:  # the next cycle can draft: keep the MTP head in step with the verify's rows
+            ahead = catch_up(binding, runner, positions, pre if use_prenorm else hidden, verdict, length)
+        new, accepted, pending_id = settle(verdict)
+        stats.accepted += accepted
+        now = time.perf_counter()
+        control.cycle(k, accepted, now - clock if timed else None)
+        clock = now
         stop_at = next((i for i, t in enumerate(new) if t in sampler.stops), None)
         if stop_at is not None:
             new = new[:stop_at + 1]
         sampler.accept(new)
         if ahead is not None:
             cache.mtp.commit(1 + accepted)  # the catch-up rows the verify kept
-            k_next = min(depth, max_length - len(sampler.generated) - 1)
+            mtp_start = length + 1 + accepted
+            k_next = min(control.choose(), max_length - len(sampler.generated) - 1)
             if stop_at is None and k_next > 0:
                 drafted = draft_from(binding, runner, sampler, positions, *ahead, length + 1 + accepted, k_next)
-        if k:
-            cache.commit(1 + accepted)
+        cache.commit(1 + accepted)
         report(new)
         if stop_at is not None:
-            return GenerationResult(list(sampler.generated), stats, "stop_token")
-    return GenerationResult(list(sampler.generated), stats, "max_length")
+            return "stop_token"
+    return "max_length"
 
 
-def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowPositions, max_length: int,
-                  stats: GenerationStats, report) -> str:
-    """The MTP-off loop, one step ahead of the host: each step embeds the previous step's token on
-    the device and is launched before the host reads that token, so what the host does per token
-    (the read, the stop test, the callback, the next launch) overlaps the next step on the GPU. The
-    tokens, the generator's use and the callbacks are those of a step-by-step loop; a stop token
-    leaves one launched step unused. Returns the stop reason."""
+def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowPositions, limit: int,
+                  stats: GenerationStats, report, keep=None) -> tuple[str, float | None]:
+    """Plain steps until ``limit`` tokens are generated or a stop token, one step ahead of the host:
+    each step embeds the previous step's token on the device and is launched before the host reads
+    that token, so what the host does per token (the read, the stop test, the callback, the next
+    launch) overlaps the next step on the GPU. The tokens, the generator's use and the callbacks
+    are those of a step-by-step loop; a stop token leaves one launched step unused. ``keep``
+    ``(buffer [1,N,H], prenorm)``: step i's hidden state (after the final norm, or before it) is
+    copied into ``buffer[:, i]`` (the MTP head's catch-up rows). Returns the stop reason
+    ("stop_token", or "max_length" when ``limit`` is reached) and the wall seconds per token after
+    the first (None for fewer than 3 tokens)."""
     cache, device, dtype = runner.cache, runner.device, runner.dtype
     pinned = [torch.empty(1, dtype=torch.int64, pin_memory=True) for _ in range(2)] \
         if torch.device(device).type == "cuda" else [None, None]
     pending = token_ids(sampler.generated[-1:], device)  # [1, 1]
-    launched, inflight = len(sampler.generated), None
+    start = launched = len(sampler.generated)
+    inflight, first_read = None, None
     while True:
         step = None
-        if launched < max_length:
+        if launched < limit:
             pos = positions.rows(cache.length, 1)
             if sampler.greedy and not sampler.masks(launched):  # the argmax in the step itself
-                token = runner.forward_token(pending, pos)
-                cache.commit()
+                if keep is None:
+                    token = runner.forward_token(pending, pos)
+                else:
+                    token, hidden, pre = runner.forward_token_hidden(pending, pos)
             else:
-                _, _, logits = runner.forward_logits(binding.embed(pending, dtype, device), pos)
-                cache.commit()
+                hidden, pre, logits = runner.forward_logits(binding.embed(pending, dtype, device), pos)
                 token = sampler.draw_async(sampler.mask(logits[0], launched))
+            cache.commit()
+            if keep is not None:
+                i = launched - start
+                keep[0][:, i:i + 1].copy_(pre if keep[1] else hidden)
             sampler.note(token)
             step = Readback(token, pinned[launched % 2])
             pending = token.view(1, 1)
@@ -235,8 +296,12 @@ def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: R
             stats.steps += 1
             sampler.accept([t], noted=True)
             report([t])
+            if first_read is None:
+                first_read = (time.perf_counter(), len(sampler.generated))
             if t in sampler.stops:
-                return "stop_token"
+                return "stop_token", None
         if step is None:
-            return "max_length"
+            done = len(sampler.generated) - first_read[1] if first_read else 0
+            per_token = (time.perf_counter() - first_read[0]) / done if done >= 2 else None
+            return "max_length", per_token
         inflight = step

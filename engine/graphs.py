@@ -4,7 +4,8 @@
 cache length lives on the device, so one graph serves every position; the ``*_logits`` steps
 capture the output projection too (an eager 248k-row product per draft held the GPU up while the
 host launched it), and ``main+token`` (the greedy step, ``Runner.forward_token``) the embedding
-of its input token and the argmax as well, and ``mtp+row`` (the MTP catch-up over a verify's rows,
+of its input token and the argmax as well (``main+tokenh`` also returns the step's hidden
+states, for ``mtp="auto"``'s plain steps), and ``mtp+row`` (the MTP catch-up over a verify's rows,
 ``speculative.catch_up``) the pick of its kept row on the device; the host bookkeeping the
 eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
 replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
@@ -127,6 +128,10 @@ class GraphRunner:
         passing the last returned token back in costs no copy."""
         return self._run("main+token", ids, pos)[0]
 
+    def forward_token_hidden(self, ids: torch.Tensor, pos: torch.Tensor):
+        """Same contract as ``Runner.forward_token_hidden`` (one graph, as ``forward_token``)."""
+        return self._run("main+tokenh", ids, pos)
+
     def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor,
                    row: torch.Tensor | None = None):
         """Same contract as ``Runner.mtp_logits``; the output projection (and the pick of ``row``)
@@ -149,6 +154,8 @@ class GraphRunner:
             return self.runner.forward_logits(inputs[0], inputs[1])
         if kind == "main+token":
             return (self.runner.forward_token(inputs[0], inputs[1]),)
+        if kind == "main+tokenh":
+            return self.runner.forward_token_hidden(inputs[0], inputs[1])
         return self.runner.forward(inputs[0], inputs[1])
 
     def _capture(self, kind: str, inputs) -> _Graph:

@@ -12,6 +12,9 @@ the same storage the module holds (never a copy), in one of two formats:
   weight-only int8 GEMV runs;
 * fp8: ``weight`` float8_e4m3fn / float8_e5m2 ``[N, K]`` with a float32 ``scale`` per tensor (the
   same GEMV, the bytes widened as fp8).
+* 4-bit: ``packed`` a ``kernels.packed4.Packed4`` (ComfyUI's ``convrot_w4a4`` or ``nvfp4`` storage
+  read in place; ``weight`` is its packed bytes, ``scale`` its scale, ``convrot`` its group) ->
+  ``kernels/gemv4.py``.
 
 Who knows a module's storage (ComfyUI's ops, quantized tensors, offloading) builds these records:
 ``StandaloneWeights`` for the engine's own modules, ``patches/comfy_weights.py`` for ComfyUI's.
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.capabilities import QUANT_DTYPES
+from ..kernels.packed4 import Packed4
 from ..kernels.row_norm import RowNorm, factor
 
 
@@ -37,11 +41,37 @@ class PlainLinear:
     scale: torch.Tensor | None = None
     convrot: int = 0
     bias: torch.Tensor | None = None
+    packed: Packed4 | None = None
 
     @property
     def quantized(self) -> bool:
-        """int8 or fp8 (with a scale), as opposed to a weight in the execution dtype."""
-        return self.weight.dtype in QUANT_DTYPES
+        """int8, fp8 or 4-bit (with scales), as opposed to a weight in the execution dtype."""
+        return self.packed is not None or self.weight.dtype in QUANT_DTYPES
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical ``(N, K)`` of the product (a 4-bit weight stores K / 2 bytes a row)."""
+        return (self.packed.n, self.packed.k) if self.packed is not None else tuple(self.weight.shape)
+
+    @property
+    def kind(self) -> str:
+        """The format, as the per-generation log line counts it: ``int8+ConvRot``, ``convrot_w4a4``,
+        ``nvfp4``, ``float8_e4m3fn``, ``bfloat16``, ..."""
+        if self.packed is not None:
+            return self.packed.fmt
+        if self.weight.dtype == torch.int8:
+            return "int8" + ("+ConvRot" if self.convrot else "")
+        return str(self.weight.dtype).replace("torch.", "")
+
+
+def split_of(w: PlainLinear, rows: int) -> int:
+    """The launch table's K ranges for ``w``'s product of ``rows`` rows whose consumer sums partials."""
+    from ..kernels import launch
+
+    n, k = w.shape
+    if w.packed is not None:
+        return launch.gemv4(n, k, w.packed.fmt, rows, w.weight.device)[1]
+    return launch.split_k(n, k, w.quantized, rows, w.weight.device)
 
 
 def _kernels():
@@ -59,13 +89,24 @@ def linear_rows(x: torch.Tensor, w: PlainLinear, *, rotated: tuple[int, torch.Te
     (``kernels.gemv.gemv_group``), for a consumer that sums them (``fused_ops.add_rms_norm``);
     otherwise the product as usual."""
     gemv = _kernels()
-    if split > 1 and w.bias is None and gemv.gemv_reason(x, w.weight, w.scale) is None:
+    if w.packed is not None:
+        if split > 1 and w.bias is None:
+            src, rot = _source(x, w.convrot, rotated)
+            return _gemv4().gemv4_group(src, [w.packed], rotate=bool(rot), split=split, row_norm=row_norm,
+                                        prefetch=prefetch, prefetch_bytes=prefetch_bytes)[0]
+    elif split > 1 and w.bias is None and gemv.gemv_reason(x, w.weight, w.scale) is None:
         src, rot = _source(x, w.convrot, rotated)
         return gemv.gemv_group(src, [w.weight], scales=None if w.scale is None else [w.scale], convrot=rot,
                                split=split, row_norm=row_norm, prefetch=prefetch,
                                prefetch_bytes=prefetch_bytes)[0]
     return linear_group(x, [w], rotated=rotated, row_norm=row_norm, prefetch=prefetch,
                         prefetch_bytes=prefetch_bytes)[0]
+
+
+def _gemv4():
+    from ..kernels import gemv4
+
+    return gemv4
 
 
 def _source(x: torch.Tensor, group: int, rotated: tuple[int, torch.Tensor] | None) -> tuple[torch.Tensor, int]:
@@ -92,6 +133,12 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
     outs: list[torch.Tensor | None] = [None] * len(weights)
     kinds: dict[tuple, list[int]] = {}
     for i, w in enumerate(weights):
+        if w.packed is not None:  # 4-bit: one launch per format and ConvRot group
+            why = _gemv4().gemv4_reason(x, w.packed)
+            if why is not None:
+                raise ValueError(f"a {w.packed.fmt} projection the 4-bit GEMV cannot take: {why}")
+            kinds.setdefault((w.packed.fmt, w.convrot), []).append(i)
+            continue
         why = gemv.gemv_reason(x, w.weight, w.scale)
         if why is None:
             kinds.setdefault((w.weight.dtype, w.convrot), []).append(i)
@@ -107,6 +154,13 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
     for n, (group, part) in enumerate(launches):
         src, rot = _source(x, group, rotated)
         last = n == len(launches) - 1  # the launch the next product follows: it alone prefetches
+        if weights[part[0]].packed is not None:
+            ys = _gemv4().gemv4_group(src, [weights[i].packed for i in part], rotate=bool(rot), row_norm=row_norm,
+                                      prefetch=prefetch if last else None, prefetch_bytes=prefetch_bytes)
+            for i, y in zip(part, ys):
+                b = weights[i].bias
+                outs[i] = y if b is None else y + b
+            continue
         ys = gemv.gemv_group(src, [weights[i].weight for i in part],
                              scales=[weights[i].scale for i in part] if weights[part[0]].quantized else None,
                              convrot=rot, row_norm=row_norm, prefetch=prefetch if last else None,

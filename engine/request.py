@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import ATTENTION_CHOICES
+from .argument_checks import check_cache_room, check_seed, check_token_ids, check_top_k
 from .binding import Qwen35Binding
 from .errors import Qwen35Error
 from .rope import normalize_positions
@@ -22,7 +23,6 @@ from .sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_MTP_DEPTH = 5
-AUTO_MTP_DEPTH = 3
 #: MTP settings as the nodes offer them: "auto", "off" or a depth.
 MTP_CHOICES = ("auto", "off", *(str(d) for d in range(1, MAX_MTP_DEPTH + 1)))
 
@@ -40,8 +40,9 @@ def parse_mtp(value) -> str | int:
 
 
 def mtp_depth(mtp, binding: Qwen35Binding) -> int:
-    """Draft depth for setting ``mtp`` on this model (0 = off); Qwen35Error when a depth needs a
-    head the model lacks. "auto" is off, with a log line, without a head."""
+    """Draft depth for setting ``mtp`` on this model (0 = off; "auto": the deepest it may choose,
+    ``MAX_MTP_DEPTH``); Qwen35Error when a depth needs a head the model lacks. "auto" is off, with
+    a log line, without a head."""
     mtp = "off" if mtp is None else parse_mtp(mtp)
     has_head = binding.mtp is not None
     if mtp == "off":
@@ -50,7 +51,7 @@ def mtp_depth(mtp, binding: Qwen35Binding) -> int:
         if not has_head:
             log.info("MTP: no MTP head on this model; generating without speculative decoding")
             return 0
-        return AUTO_MTP_DEPTH
+        return MAX_MTP_DEPTH
     if not has_head:
         raise Qwen35Error(f"mtp={mtp} needs an MTP head, and this model has none: load the checkpoint with "
                           "its mtp.* tensors (or graft them with build_mtp_head), or use mtp='auto'/'off'")
@@ -94,8 +95,9 @@ class GenerationRequest:
     """One checked ``generate()`` call.
 
     ``embeds`` ``[1,T,H]`` in the execution ``dtype``; ``positions`` int64 ``[3,T]`` (MRoPE ids of
-    the prompt rows); ``mtp_depth`` 0 when MTP is off; ``capacity``: K/V slots the cache needs
-    (prompt + max_length + depth + 1).
+    the prompt rows); ``mtp_depth`` 0 when MTP is off, else the fixed depth or, with ``mtp_auto``
+    (``mtp="auto"`` on a model with a head), the deepest the controller may choose;
+    ``capacity``: K/V slots the cache needs (prompt + max_length + depth + 1).
     """
 
     embeds: torch.Tensor
@@ -107,6 +109,7 @@ class GenerationRequest:
     stop_tokens: tuple[int, ...]
     initial_tokens: tuple[int, ...]
     mtp_depth: int
+    mtp_auto: bool
     mtp_draft: str | Callable[[int], int]
     attention: str
     dtype: torch.dtype
@@ -146,7 +149,7 @@ class GenerationRequest:
             raise Qwen35Error(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         if fused not in ("auto", True, False):
             raise Qwen35Error(f"fused must be 'auto', True or False, got {fused!r}")
-        params = SamplingParams(do_sample=bool(do_sample), temperature=float(temperature), top_k=int(top_k),
+        params = SamplingParams(do_sample=bool(do_sample), temperature=float(temperature), top_k=check_top_k(top_k),
                                 top_p=float(top_p), min_p=float(min_p),
                                 repetition_penalty=float(repetition_penalty),
                                 presence_penalty=float(presence_penalty or 0.0))
@@ -155,12 +158,16 @@ class GenerationRequest:
         except ValueError as exc:
             raise Qwen35Error(str(exc)) from exc
         depth = mtp_depth(mtp, binding)
+        auto = depth > 0 and parse_mtp(mtp) == "auto"
         dtype = execution_dtype or default_dtype(binding)
-        stops = cfg.stop_tokens if stop_tokens is None else stop_tokens
+        stops = check_token_ids("stop_tokens", cfg.stop_tokens if stop_tokens is None else stop_tokens, cfg.vocab_size)
+        initial = check_token_ids("initial_tokens", initial_tokens, cfg.vocab_size)
         if attention == "masked" and cache_fill is None:
             cache_fill = 0.0  # the capacity-bound baseline reads every slot: they must hold numbers
         positions = normalize_positions(position_ids, embeds.shape[1], embeds.device)
+        check_cache_room(cfg, embeds.shape[1] + max_length + depth + 1, int(depth > 0), dtype, embeds.device)
         return cls(embeds=embeds.to(dtype), positions=positions, max_length=max_length, min_tokens=min_tokens,
-                   sampling=params, seed=int(seed), stop_tokens=tuple(int(t) for t in stops),
-                   initial_tokens=tuple(int(t) for t in initial_tokens), mtp_depth=depth, mtp_draft=mtp_draft,
-                   attention=attention, dtype=dtype, cuda_graphs=cuda_graphs, fused=fused, cache_fill=cache_fill)
+                   sampling=params, seed=check_seed(seed), stop_tokens=stops,
+                   initial_tokens=initial, mtp_depth=depth, mtp_auto=auto,
+                   mtp_draft=mtp_draft, attention=attention, dtype=dtype, cuda_graphs=cuda_graphs, fused=fused,
+                   cache_fill=cache_fill)

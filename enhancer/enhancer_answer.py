@@ -86,6 +86,7 @@ _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
 _WORDS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"', "'": "'"}
 _MAX_DEPTH = 32
+_SCAN_BUDGET = 2  # failed object candidates may scan this many times the answer's length in total
 # What may follow a closing quote: the end, "}", "]" or ":"; or a comma and then the end, a
 # bracket, a number, or a (quoted or bare) key and its colon; or a quoted key and its colon
 # with the comma missing. Anything else means the quote was an unescaped one inside the text.
@@ -221,25 +222,35 @@ def _join_surrogates(s: str) -> str:
 
 
 def _objects(text: str) -> list[tuple[dict, bool]]:
-    """Every top-level object in ``text`` in order, as ``(dict, complete)``; strict JSON first."""
+    """Every top-level object in ``text`` in order, as ``(dict, complete)``, in time linear in ``len(text)``.
+
+    Each candidate ``{`` is read by the lenient reader (nesting bounded by ``_MAX_DEPTH``, so no
+    recursion limit is reached); an object it reads whole is then decoded strictly from exactly its
+    own span, and the strict result is kept when that succeeds. Failed candidates may scan at most
+    ``_SCAN_BUDGET`` times the text in total; past that, the objects found so far are returned.
+    """
     found = []
     decoder = json.JSONDecoder()
+    budget = _SCAN_BUDGET * len(text) + 4096
     pos = text.find("{")
     while pos != -1:
-        try:
-            obj, end = decoder.raw_decode(text, pos)
-            if isinstance(obj, dict):
-                found.append((obj, True))
-                pos = text.find("{", end)
-                continue
-        except ValueError:
-            pass
         reader = _LenientReader(text, pos)
         try:
             obj = reader.value()
-        except (_Broken, RecursionError):
+        except _Broken:
+            budget -= reader.pos - pos + 1
+            if budget < 0:
+                log.warning("parse_answer: the answer is too irregular to scan completely; reading what was found")
+                break
             pos = text.find("{", pos + 1)
             continue
+        if not reader.truncated:
+            try:
+                strict, _ = decoder.raw_decode(text[pos:reader.pos])
+                if isinstance(strict, dict):
+                    obj = strict
+            except (ValueError, RecursionError):
+                pass
         found.append((obj, not reader.truncated))
         pos = text.find("{", reader.pos) if not reader.truncated else -1
     return found
@@ -343,6 +354,15 @@ def parse_ratio(wh_ratio: str | float | None) -> float | None:
     return r if math.isfinite(r) and r > 0 else None
 
 
+def check_megapixels(megapixels) -> None:
+    """ValueError naming the fix unless ``megapixels`` is a finite number in [MIN_MEGAPIXELS, MAX_MEGAPIXELS]
+    (checked before a generation, since the size is computed after it)."""
+    if (isinstance(megapixels, bool) or not isinstance(megapixels, (int, float)) or not math.isfinite(megapixels)
+            or not MIN_MEGAPIXELS <= megapixels <= MAX_MEGAPIXELS):
+        raise ValueError(f"megapixels must be a number in [{MIN_MEGAPIXELS}, {MAX_MEGAPIXELS}] (e.g. 1.0 for about "
+                         f"1024x1024), got {megapixels!r}: set the enhancer's megapixels input to such a number.")
+
+
 def size_for_ratio(wh_ratio: str | float | None, megapixels: float, multiple: int = 16) -> tuple[int, int]:
     """``(width, height)`` in pixels: aspect ``wh_ratio``, area about ``megapixels * 1e6``.
 
@@ -353,10 +373,7 @@ def size_for_ratio(wh_ratio: str | float | None, megapixels: float, multiple: in
     if isinstance(multiple, bool) or not isinstance(multiple, int) or not 1 <= multiple <= 512:
         raise ValueError(f"size_for_ratio: multiple must be an integer in [1, 512] (16 suits Qwen-Image), "
                          f"got {multiple!r}")
-    if (isinstance(megapixels, bool) or not isinstance(megapixels, (int, float))
-            or not MIN_MEGAPIXELS <= megapixels <= MAX_MEGAPIXELS):
-        raise ValueError(f"size_for_ratio: megapixels must be a number in [{MIN_MEGAPIXELS}, {MAX_MEGAPIXELS}] "
-                         f"(e.g. 1.0 for about 1024x1024), got {megapixels!r}")
+    check_megapixels(megapixels)
     r = parse_ratio(wh_ratio)
     if r is None:
         if wh_ratio is not None:

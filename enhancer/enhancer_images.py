@@ -20,7 +20,7 @@ _REF = re.compile(r"<image(\d+)>", re.IGNORECASE)
 def prepare_images(inputs) -> list:
     """IMAGE inputs (each ``[B, H, W, C]`` or None), in order, as single images ``[1, h, w, C]`` of at most 1 MP.
 
-    A batch counts as that many images. ValueError naming the fix beyond ``MAX_IMAGES``.
+    A batch counts as that many images. ValueError naming the fix beyond ``MAX_IMAGES`` or for an empty image.
     """
     images = []
     for item in inputs:
@@ -28,6 +28,9 @@ def prepare_images(inputs) -> list:
             continue
         if getattr(item, "ndim", 0) != 4 or item.shape[-1] not in (3, 4):
             raise ValueError("images must be IMAGE tensors [B, H, W, C]; connect Load Image nodes.")
+        if item.shape[0] < 1 or item.shape[1] < 1 or item.shape[2] < 1:
+            raise ValueError(f"An input image is empty (shape {tuple(item.shape)}): connect an image with at least "
+                             "one pixel, or disconnect it.")
         images.extend(item[i:i + 1, ..., :3] for i in range(item.shape[0]))
     if len(images) > MAX_IMAGES:
         raise ValueError(f"The edit enhancer takes at most {MAX_IMAGES} images, got {len(images)}: disconnect some "

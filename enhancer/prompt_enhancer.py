@@ -15,7 +15,7 @@ from ..downloads import model_fetch
 from ..patches import clip_patch
 from ..patches import comfy_bridge as bridge
 from . import enhancer_images
-from .enhancer_answer import parse_answer, size_for_ratio, split_thinking
+from .enhancer_answer import check_megapixels, parse_answer, size_for_ratio, split_thinking
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,13 @@ def preset_settings(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
     return dict(PRESETS[name])
+
+
+def sampling_settings(preset: str, custom: dict | None = None) -> dict:
+    """The sampling settings a run uses: the preset's, or ``custom``'s values for preset ``"custom"``."""
+    if preset == "custom":
+        return {k: (custom or {})[k] for k in _SAMPLING_KEYS}
+    return preset_settings(preset)
 
 
 def chat_text(system_prompt: str, prompt: str, n_images: int, thinking: bool) -> str:
@@ -89,15 +96,20 @@ class EnhancerResult:
     stats: object = None
 
 
-def check_inputs(clip, prompt: str, images, max_length: int) -> bridge.Qwen35Target:
-    """Validate before any work; raise ValueError naming the fix."""
-    target = bridge.find_qwen35(clip)
+def check_prompt(prompt: str, max_length: int) -> None:
+    """ValueError naming the fix for an empty prompt or a max_length out of range (every backend)."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("The prompt is empty: type what the image should show (or what to change in the "
                          "input image).")
     if not isinstance(max_length, int) or isinstance(max_length, bool) or not 1 <= max_length <= MAX_LENGTH_LIMIT:
         raise ValueError(f"max_length must be between 1 and {MAX_LENGTH_LIMIT}, got {max_length!r}. The "
                          "official settings use 16256 (text-to-image) and 24000 (edit).")
+
+
+def check_inputs(clip, prompt: str, images, max_length: int) -> bridge.Qwen35Target:
+    """Validate before any work; raise ValueError naming the fix."""
+    target = bridge.find_qwen35(clip)
+    check_prompt(prompt, max_length)
     if images:
         if bridge.has_vision_weights(clip) is False:
             raise ValueError(
@@ -111,15 +123,13 @@ def enhance(clip, prompt: str, *, system_prompt: str = OFFICIAL, images=None, pr
             custom: dict | None = None, max_length: int = 16256, seed: int = 0, mtp="auto",
             attention: str = "auto", thinking: bool = True, megapixels: float = 1.0) -> EnhancerResult:
     """Run the prompt enhancer; ``custom`` sampling values are used when ``preset == "custom"``."""
+    check_megapixels(megapixels)  # the size is computed after the generation: refuse a bad value before it
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
     image_list = enhancer_images.prepare_images(images or [])
     check_inputs(clip, prompt, image_list, max_length)
     enhancer_images.check_image_references(prompt, len(image_list))
-    if preset == "custom":
-        settings = {k: (custom or {})[k] for k in _SAMPLING_KEYS}
-    else:
-        settings = preset_settings(preset)
+    settings = sampling_settings(preset, custom)
     system = resolve_system_prompt(system_prompt, preset)
     text = chat_text(system, prompt, len(image_list), thinking)
     tokens = clip.tokenize(text, images=image_list) if image_list else clip.tokenize(text)
@@ -136,6 +146,15 @@ def enhance(clip, prompt: str, *, system_prompt: str = OFFICIAL, images=None, pr
     while body and body[-1] in stops:
         body.pop()
     text_out = clip.decode(body, skip_special_tokens=False)
+    return finish_answer(text_out, prompt, thinking=thinking, image_list=image_list,
+                         megapixels=megapixels, max_length=max_length, stats=stats)
+
+
+def finish_answer(text_out: str, prompt: str, *, thinking: bool, image_list: list, megapixels: float,
+                  max_length: int, stats=None) -> EnhancerResult:
+    """The enhancer's outputs from the generated text (thinking block, answer JSON, latent size), for every
+    backend. ``text_out`` starts inside the thinking block when ``thinking`` (the prompt opened it); an empty
+    answer gives the user's ``prompt`` back with ``parse_ok`` False and a warning naming the fix."""
     if thinking and "<think>" not in text_out.split("</think>")[0]:
         text_out = "<think>\n" + text_out  # the prompt opened the block; let split_thinking see it
     thinking_text, answer = split_thinking(text_out)

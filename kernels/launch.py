@@ -17,7 +17,8 @@ count or ``*`` (any; an exact count first):
 kernel         kind                 shape       fields
 =============  ===================  ==========  ==============================================
 ``gemv``       ``quant`` / float    ``NxK``     ``config`` [BLOCK_N, BLOCK_K, warps, stages(,
-                                                K slices)], ``split`` (K ranges, split-K)
+               / ``w4a4`` /                     K slices)], ``split`` (K ranges, split-K); the
+               ``nvfp4``                        4-bit kinds (``gemv4``) use the first four
 ``deltanet``   ``rotate`` / plain   ``DKxDV``   ``blocks`` (value-column blocks), ``warps``
 ``attention``  ``d<D>``             ``g<G>``    ``splits``, ``BLOCK_N``, ``num_stages``,
                                                 ``num_warps``
@@ -188,6 +189,24 @@ def gemv(n: int, k: int, quant: bool, rows: int, device, *, weights: int = 1,
         fallback.gemv_config(n, k, quant, rows, record, weights, x_bytes)
     split = int(found["split"]) if "split" in found else \
         fallback.gemv_split(n, k, quant, record, config[0], config[1])
+    return config, split
+
+
+#: 4-bit weight format (``gemv4.FORMATS``) -> its kind in a table's gemv keys
+GEMV4_KINDS = {"convrot_w4a4": "w4a4", "nvfp4": "nvfp4"}
+
+
+def gemv4(n: int, k: int, fmt: str, rows: int, device, *, weights: int = 1,
+          x_bytes: int = 2) -> tuple[tuple[int, ...], int]:
+    """(config, split) of a 4-bit GEMV launch (``gemv4.py``): as ``gemv``, the table's kind
+    ``w4a4`` / ``nvfp4`` (``GEMV4_KINDS``); config = (BLOCK_N, BLOCK_K in weight columns, warps,
+    stages) (a table's fifth value, K slices, is not used by the 4-bit tile)."""
+    record = _record(device)
+    found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record)
+    config = tuple(found["config"])[:4] if "config" in found else \
+        fallback.gemv4_config(n, k, rows, record, weights, x_bytes)
+    split = int(found["split"]) if "split" in found else \
+        fallback.gemv_split(n, k, True, record, config[0], config[1])
     return config, split
 
 

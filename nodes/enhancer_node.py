@@ -37,7 +37,8 @@ class Qwen35PromptEnhancer(io.ComfyNode):
                                      "Speed does not depend on it."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True),
                 io.Combo.Input("mtp", options=list(MTP_CHOICES), default="auto",
-                               tooltip="MTP speculative decoding (needs an MTP head on the CLIP)."),
+                               tooltip="MTP speculative decoding (needs an MTP head on the CLIP): auto picks and "
+                                       "adapts the depth as it goes, off disables it, 1..5 drafts that many."),
                 io.Boolean.Input("thinking", default=True, tooltip="Let the model think first (official)."),
                 io.Float.Input("megapixels", default=1.0, min=0.1, max=16.0, step=0.05,
                                tooltip="Target size of the width/height outputs."),

@@ -53,10 +53,12 @@ class Qwen35CLIPLoader(io.ComfyNode):
         except FileNotFoundError:
             if clip_name not in model_fetch.PE_FILES:
                 raise
-            clip_path = model_fetch.fetch_pe_file(clip_name, folder, progress=model_fetch.comfy_progress())
+            clip_path = model_fetch.fetch_pe_file(clip_name, folder, progress=model_fetch.comfy_progress(),
+                                                  check=model_fetch.comfy_check())
         mtp_path = None
         if model_fetch.download_repo(mtp_head):
-            mtp_path = model_fetch.mtp_head_for(mtp_head, clip_path, folder, progress=model_fetch.comfy_progress())
+            mtp_path = model_fetch.mtp_head_for(mtp_head, clip_path, folder, progress=model_fetch.comfy_progress(),
+                                                check=model_fetch.comfy_check())
         elif mtp_head and mtp_head != NO_MTP_FILE:
             mtp_path = folder_paths.get_full_path_or_raise("text_encoders", mtp_head)
         result = load_qwen35_clip(clip_path, mtp_path, device=device,

@@ -24,8 +24,9 @@ class Qwen35LengthAwarePatch(io.ComfyNode):
             inputs=[
                 io.Clip.Input("clip", tooltip="A Qwen3.5 CLIP (core 'Load CLIP' or 'Load Qwen3.5 CLIP (MTP)')."),
                 io.Combo.Input("mtp", options=list(MTP_CHOICES), default="auto",
-                               tooltip="MTP speculative decoding: auto picks the depth, off disables it, "
-                                       "1..5 drafts that many tokens per step. Needs an MTP head."),
+                               tooltip="MTP speculative decoding: auto picks and adapts the depth (0..5) from "
+                                       "the drafts kept and each depth's cost, off disables it, 1..5 drafts that "
+                                       "many tokens per step. Needs an MTP head."),
                 io.Combo.Input("attention", options=list(ATTENTION_CHOICES), default="auto", advanced=True,
                                tooltip="Decode attention backend; 'masked' reproduces core's "
                                        "capacity-bound cost (for comparisons)."),

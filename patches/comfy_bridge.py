@@ -268,10 +268,12 @@ class Progress:
             _send_text(self.decode(list(all_tokens)), self.node_id)
         comfy.model_management.throw_exception_if_processing_interrupted()
 
-    def finish(self, token_ids: list[int]) -> None:
-        """Final preview with the whole text (not throttled)."""
+    def finish(self, token_ids: list[int], status: str | None = None) -> None:
+        """Final preview with the whole text (not throttled), then ``status`` (the generation's
+        stats line) under it."""
         if self.decode is not None:
-            _send_text(self.decode(list(token_ids)), self.node_id)
+            text = self.decode(list(token_ids))
+            _send_text(f"{text}\n\n[{status}]" if status else text, self.node_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,8 +351,8 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
     progress = Progress(max_length, decode=decode)
     result = generate(
         target.transformer, embeds, do_sample=bool(do_sample), max_length=max_length,
-        temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p),
-        repetition_penalty=float(repetition_penalty), seed=0 if seed is None else int(seed),
+        temperature=float(temperature), top_k=top_k, top_p=float(top_p), min_p=float(min_p),
+        repetition_penalty=float(repetition_penalty), seed=0 if seed is None else seed,
         stop_tokens=list(stop_tokens), min_tokens=int(min_tokens), presence_penalty=float(presence_penalty or 0.0),
         initial_tokens=list(initial_tokens or ()), mtp=parse_mtp(mtp), position_ids=position_ids,
         attention=attention, execution_dtype=execution_dtype, callback=progress, weight_cast=comfy_weight_cast,
@@ -358,9 +360,27 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
     tokens = TokenList(result.tokens)
     tokens.stats = result.stats
     tokens.stop_reason = getattr(result, "stop_reason", None)
-    progress.finish(tokens)
-    log.info("%s", format_stats(label, result.stats, tokens.stop_reason))
+    line = format_stats(label, result.stats, tokens.stop_reason)
+    progress.finish(tokens, line)
+    log.info("%s", line)
     return tokens
+
+
+def format_mtp(stats) -> str:
+    """The MTP part of the stats line: the depth (with ``mtp="auto"``: the cycles run at each depth,
+    plain tokens as depth 0, and why plain steps ran), acceptance overall and per draft position."""
+    overall = (f"acceptance {100.0 * (stats.acceptance_rate or 0.0):.1f}% "
+               f"({stats.accepted}/{stats.drafted} drafts")
+    per = [f"{100.0 * a:.0f}%" if a is not None else "-" for a in getattr(stats, "mtp_acceptance", None) or ()]
+    while per and per[-1] == "-":
+        per.pop()
+    overall += f"; by position {' '.join(per)})" if len(per) > 1 else ")"
+    if not getattr(stats, "mtp_auto", False):
+        return f"MTP depth {stats.mtp_depth}, {overall}"
+    depths = " ".join(f"{k}x{n}" for k, n in sorted((getattr(stats, "mtp_depths", None) or {}).items(),
+                                                       reverse=True))
+    off = f"; {stats.mtp_off}" if getattr(stats, "mtp_off", None) else ""
+    return f"MTP auto (depth x cycles, 0 x plain tokens: {depths}), {overall}{off}"
 
 
 def format_stats(label: str, stats, stop_reason=None) -> str:
@@ -368,8 +388,7 @@ def format_stats(label: str, stats, stop_reason=None) -> str:
     if stats is None:
         return f"{label}: done"
     depth = getattr(stats, "mtp_depth", 0) or 0
-    mtp = (f"MTP depth {depth}, acceptance {100.0 * (stats.acceptance_rate or 0.0):.1f}% "
-           f"({stats.accepted}/{stats.drafted} drafts)") if depth else "MTP off"
+    mtp = format_mtp(stats) if depth else "MTP off"
     stop = f", stop: {stop_reason}" if stop_reason else ""
     return (f"{label}: {stats.tokens} tokens in {stats.steps} steps, {mtp}, {stats.tok_per_s:.2f} tok/s "
             f"(prefill {stats.prefill_s:.2f} s, decode {stats.decode_s:.2f} s, attention "

@@ -13,7 +13,10 @@ decides whether the fast path may read a module's weight itself is in the module
 * a format the kernels read as stored: a plain tensor in the execution dtype, comfy-kitchen's
   ``TensorWiseINT8Layout`` (int8 rows, a float32 scale per row or per tensor, optionally ConvRot),
   or ComfyUI's fp8 layouts (``TensorCoreFP8Layout`` and its E4M3 / E5M2 names: float8 rows and one
-  float32 scale; ``capabilities.fp8_reason`` says on which GPUs).
+  float32 scale; ``capabilities.fp8_reason`` says on which GPUs), or the 4-bit layouts
+  (``TensorCoreConvRotW4A4Layout``: packed int4 rows, a float32 scale per row, ConvRot;
+  ``TensorCoreNVFP4Layout``: packed E2M1, swizzled E4M3 block scales, a float32 tensor scale), read
+  by ``kernels/gemv4.py`` on any GPU Triton runs on, layer by layer (a file may mix formats).
 
 A resolved module gives a ``PlainLinear`` over the same storage (no copy); anything else keeps
 ComfyUI's own module call, and ``resolve`` says why, naming the module.
@@ -29,6 +32,7 @@ from ..engine.plain_weights import PlainLinear, StandaloneWeights
 from ..kernels import say_once
 from ..kernels.capabilities import fp8_reason
 from ..kernels.convrot import convrot_group_ok
+from ..kernels.packed4 import Packed4, packed_reason
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,8 @@ INT8_LAYOUT = "TensorWiseINT8Layout"
 #: ComfyUI's per-tensor fp8 layouts (``comfy/quant_ops.py``) and their storage dtypes.
 FP8_LAYOUTS = {"TensorCoreFP8Layout": torch.float8_e4m3fn, "TensorCoreFP8E4M3Layout": torch.float8_e4m3fn,
                "TensorCoreFP8E5M2Layout": torch.float8_e5m2}
+#: ComfyUI's 4-bit layouts (comfy-kitchen's class names) -> the format name ``kernels/packed4.py`` reads.
+W4_LAYOUTS = {"TensorCoreConvRotW4A4Layout": "convrot_w4a4", "TensorCoreNVFP4Layout": "nvfp4"}
 _STANDALONE = StandaloneWeights()
 
 
@@ -219,9 +225,11 @@ class Resolver:
     def _quantized(self, w, layout: str, bias, device, dtype) -> tuple[PlainLinear | None, str | None]:
         if layout in FP8_LAYOUTS:
             return self._fp8(w, layout, bias, device)
+        if layout in W4_LAYOUTS:
+            return self._four_bit(w, W4_LAYOUTS[layout], bias, device)
         if layout != INT8_LAYOUT:
-            return None, (f"its weight is {layout}, which the fast path does not read (int8_tensorwise and "
-                          "per-tensor fp8 only)")
+            return None, (f"its weight is {layout}, which the fast path does not read (int8_tensorwise, "
+                          "per-tensor fp8, convrot_w4a4 and nvfp4 only)")
         q, params = getattr(w, "_qdata", None), getattr(w, "_params", None)
         scale = getattr(params, "scale", None)
         if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.dim() != 2 or \
@@ -262,3 +270,26 @@ class Resolver:
         if why is not None:
             return None, why
         return PlainLinear(q, scale=scale.detach().reshape(-1), bias=bias), None
+
+    def _four_bit(self, w, fmt: str, bias, device) -> tuple[PlainLinear | None, str | None]:
+        """A 4-bit ``QuantizedTensor`` (``kernels/packed4.py`` names its storage): a ``PlainLinear``
+        whose ``packed`` record holds the same tensors (no copy)."""
+        q, params = getattr(w, "_qdata", None), getattr(w, "_params", None)
+        scale = getattr(params, "scale", None)
+        shape = tuple(getattr(params, "orig_shape", ()) or ())
+        if not isinstance(q, torch.Tensor) or not isinstance(scale, torch.Tensor) or len(shape) != 2:
+            return None, f"its {fmt} weight does not hold packed rows, a scale tensor and a 2-D shape"
+        if getattr(params, "transposed", False):
+            return None, f"its {fmt} weight is stored transposed"
+        block = getattr(params, "block_scale", None) if fmt == "nvfp4" else None
+        group = int(getattr(params, "convrot_groupsize", 256)) if fmt == "convrot_w4a4" else 0
+        if group and not convrot_group_ok(group):
+            return None, f"its ConvRot group size {group} is not a power of 4"
+        if q.device != device or scale.device != device or (block is not None and block.device != device):
+            return None, _offloaded(q.device, device)
+        packed = Packed4(fmt, q, scale.detach().reshape(-1) if fmt == "convrot_w4a4" else scale.detach(),
+                         block, shape[0], shape[1], group)
+        why = packed_reason(packed)
+        if why is not None:
+            return None, why
+        return PlainLinear(q, scale=packed.scale, convrot=group, bias=bias, packed=packed), None

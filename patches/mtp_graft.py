@@ -44,7 +44,8 @@ def is_qwen35_file(keys: Iterable[str]) -> bool:
 
 def read_mtp_tensors(path: str, device="cpu") -> dict:
     """Only the ``mtp.*`` tensors of ``path`` (``model.mtp.`` folded to ``mtp.``); {} when none.
-    Quantized layers (ComfyUI's per-layer ``.comfy_quant`` marker) come back dequantized."""
+    Quantized layers (ComfyUI's per-layer ``.comfy_quant`` marker) come back dequantized; a tensor
+    with NaN or inf values is refused (``refuse_non_finite``)."""
     from safetensors import safe_open
 
     out = {}
@@ -57,7 +58,20 @@ def read_mtp_tensors(path: str, device="cpu") -> dict:
                         break
     except Exception as exc:  # noqa: BLE001
         raise MTPHeadError(f"Cannot read the MTP head from {path!r} ({exc}).") from exc
-    return dequantized(out, source=path)
+    return refuse_non_finite(dequantized(out, source=path), source=path)
+
+
+def refuse_non_finite(tensors: dict, *, source: str = "") -> dict:
+    """``tensors`` unchanged; MTPHeadError naming the first floating tensor holding NaN or inf (such a head
+    drafts garbage, so MTP would accept nothing and only cost time)."""
+    import torch
+
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise MTPHeadError(f"{source}: {name} holds NaN or infinite values, so MTP with this head would accept "
+                               "no draft. Re-download the head (delete the file and pick 'download (...)'), or set "
+                               "mtp_head to 'none'.")
+    return tensors
 
 
 def dequantized(tensors: dict, *, source: str = "", dtype=None) -> dict:
@@ -75,7 +89,14 @@ def dequantized(tensors: dict, *, source: str = "", dtype=None) -> dict:
     dtype = dtype or torch.bfloat16
     for key in markers:
         layer = key[: -len("comfy_quant")]
-        conf = json.loads(bytes(out.pop(key).tolist()).decode("utf-8"))
+        try:
+            conf = json.loads(bytes(out.pop(key).tolist()).decode("utf-8"))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise MTPHeadError(f"{source}: the quantization marker {key!r} is not JSON text; the file is corrupt. "
+                               "Re-download it, or use a bf16 MTP head file.") from exc
+        if not isinstance(conf, dict):
+            raise MTPHeadError(f"{source}: the quantization marker {key!r} is not a JSON object; the file is "
+                               "corrupt. Re-download it, or use a bf16 MTP head file.")
         fmt = conf.get("format")
         weight, scale = out.pop(layer + "weight", None), out.pop(layer + "weight_scale", None)
         if weight is None or scale is None:

@@ -4,7 +4,10 @@ to download files: ``HEAD``/``GET /{repo}/resolve/{revision}/{path}`` with ``ETa
 ``Range`` (206 / 416), 404 with the Hub's ``X-Error-Code``. It listens on 127.0.0.1 (an ephemeral
 port) in a thread; tests point ``HF_ENDPOINT`` at it, so the real client does the talking.
 
-It counts the body bytes served per file and can cut one response short (a broken connection).
+It counts the body bytes served per file and misbehaves on request, per file: cut one response
+short (a broken connection), serve other bytes than asked under an honest ``Content-Range`` (a
+mirror off by some bytes), change one byte of a body (damage in transit), stall a body until
+released (a dead connection), or pause before each body (a slow link).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -27,6 +31,13 @@ class FakeHub:
         self.served: Counter = Counter()       # (repo, path) -> body bytes sent
         self.requests: list[tuple] = []        # (method, repo, path, range header, authorization)
         self.cut: dict[tuple, int] = {}        # (repo, path) -> cut the next longer GET after this many bytes
+        self.shift: dict[tuple, list] = {}     # (repo, path) -> [offset, times, from]: ranges from byte `from`
+        #                                        on are served this far on (`times` of them)
+        self.flip: set[tuple] = set()          # (repo, path): change one byte of the next GET's body
+        self.stall: dict[tuple, int] = {}      # (repo, path) -> the next GET stops after this many bytes...
+        self.stalled = threading.Event()       # ...sets this...
+        self.release = threading.Event()       # ...and sends nothing more until this is set (then closes)
+        self.pause: dict[tuple, float] = {}    # (repo, path) -> seconds to wait before each GET body
         self._server = None
         self._thread = None
 
@@ -132,10 +143,23 @@ class _Handler(BaseHTTPRequestHandler):
             end = min(end, len(data))
             code = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+        key = (repo, path)
+        shift = fake.shift.get(key)
+        if body and code == 206 and shift and shift[1] > 0 and start >= shift[2]:
+            shift[1] -= 1
+            start, end = min(start + shift[0], len(data) - 1), min(end + shift[0], len(data))
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
         payload = data[start:end]
         headers["Content-Length"] = str(len(payload))
         if not body:
             return self._send(code, headers, b"", body=False)
+        if key in fake.flip and payload:
+            fake.flip.discard(key)
+            payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+        time.sleep(fake.pause.get(key, 0.0))
+        stall = fake.stall.pop(key, None)
+        if stall is not None and stall < len(payload):
+            return self._stall(code, headers, payload[:stall], key)
         cut = fake.cut.get((repo, path))
         if cut is not None and cut < len(payload):
             del fake.cut[(repo, path)]
@@ -150,3 +174,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         fake.served[(repo, path)] += len(payload)
         self._send(code, headers, payload, body=True)
+
+    def _stall(self, code: int, headers: dict, head: bytes, key: tuple):
+        self.send_response(code)
+        for k, v in {"Connection": "close", **headers}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.fake.served[key] += len(head)
+        self.wfile.write(head)
+        self.wfile.flush()
+        self.fake.stalled.set()
+        self.fake.release.wait(30)
+        self.close_connection = True

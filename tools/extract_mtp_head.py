@@ -6,18 +6,23 @@
 For when the checkpoint is already on disk; the loader's ``mtp_head: download (...)`` option fetches
 the same tensors alone (about 0.5 GB for 9B) without the rest. Only the ``mtp.*`` entries are read
 (safetensors ``safe_open``); ``model.mtp.*`` is folded to ``mtp.*``, the names the loader expects.
-The output is written to ``<output>.part`` and renamed when complete. Needs only ``safetensors``
+The sha256 of the data section is recorded in the header's ``__metadata__`` (``data_sha256``, as
+the download records it; the loader re-checks it). The output is written to ``<output>.part`` and
+renamed when complete. Needs only ``safetensors``
 and ``torch``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 from pathlib import Path
 
 log = logging.getLogger("extract_mtp_head")
+SHA_KEY = "data_sha256"  # the sha256 of the data section, which the loader re-checks (downloads/head_check.py)
+PLACEHOLDER = "0" * 64
 
 
 def shards(inputs: list[str]) -> list[Path]:
@@ -40,7 +45,7 @@ def shards(inputs: list[str]) -> list[Path]:
 def extract(inputs: list[str], output: str) -> dict:
     """Write the ``mtp.*`` tensors of ``inputs`` to ``output``; return them. SystemExit when there are none."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {}
     for path in shards(inputs):
@@ -52,8 +57,15 @@ def extract(inputs: list[str], output: str) -> dict:
     if not tensors:
         raise SystemExit("no mtp.* tensors found: pass the original Qwen3.5 checkpoint (e.g. Qwen/Qwen3.5-9B), "
                          "not a Comfy-Org prompt-enhancer file")
+    source = "mtp.* tensors of " + ", ".join(os.path.basename(i) for i in inputs)
+    raw = save(tensors, metadata={"source": source, SHA_KEY: PLACEHOLDER})
+    start = 8 + int.from_bytes(raw[:8], "little")
+    placeholder = f'"{SHA_KEY}":"{PLACEHOLDER}"'.encode()
+    digest = f'"{SHA_KEY}":"{hashlib.sha256(memoryview(raw)[start:]).hexdigest()}"'.encode()
     part = output + ".part"
-    save_file(tensors, part, metadata={"source": "mtp.* tensors of " + ", ".join(os.path.basename(i) for i in inputs)})
+    with open(part, "wb") as f:
+        f.write(raw[:start].replace(placeholder, digest, 1))
+        f.write(memoryview(raw)[start:])
     os.replace(part, output)
     return tensors
 

@@ -82,11 +82,11 @@ def test_dense_read_in_place_despite_the_flags():
 
 @pytest.mark.parametrize("case, expect", [
     ("dynamic", "DynamicVRAM"), ("lora", "per-call weight patches"), ("lowvram", "lowvram weight patches"),
-    ("offloaded", "lives on meta"), ("dtype", "cast per call"), ("nvfp4", "TensorCoreNVFP4Layout"),
+    ("offloaded", "lives on meta"), ("dtype", "cast per call"), ("mxfp8", "TensorCoreMXFP8Layout"),
     ("bias", "its bias is torch.float32"),
 ])
 def test_what_stays_on_the_module_path(case, expect):
-    mod = int8_linear(layout="TensorCoreNVFP4Layout")[0] if case == "nvfp4" else dense_linear()
+    mod = int8_linear(layout="TensorCoreMXFP8Layout")[0] if case == "mxfp8" else dense_linear()
     if case == "dynamic":
         mod._v = object()
     elif case == "lora":
@@ -238,3 +238,22 @@ def test_resident_clip_leaves_a_dynamic_clip_streamed_and_says_why(gpu_16gb):
     clip, why = comfy_weights.resident_clip(broken)
     assert clip is broken and "RuntimeError: the file is gone)" in why and "--disable-dynamic-vram" in why
     assert not hasattr(broken.patcher.model, comfy_weights.RESIDENT_ATTR)  # nothing half-applied
+
+
+@pytest.mark.parametrize("fmt, layout", [("convrot_w4a4", "TensorCoreConvRotW4A4Layout"),
+                                         ("nvfp4", "TensorCoreNVFP4Layout")])
+def test_4bit_read_in_place(fmt, layout):
+    """ComfyUI's 4-bit weights (as its loader leaves them): a PlainLinear whose packed record holds the
+    module's own tensors (no copy), counted by format; a transposed one stays on the module, said why."""
+    kw = {"convrot_groupsize": 64} if fmt == "convrot_w4a4" else {}
+    qt = ck.QuantizedTensor.from_float(torch.randn(20, 256), layout, **kw)
+    mod = torch.nn.Linear(256, 20, bias=False)
+    mod.weight = torch.nn.Parameter(qt, requires_grad=False)
+    mod.comfy_cast_weights = mod.comfy_force_cast_weights = True
+    mod.weight_function, mod.bias_function = [], []
+    plain, why = Resolver().linear(mod, CPU, BF16)
+    assert why is None and plain.quantized and plain.kind == fmt and plain.shape == (20, 256)
+    assert plain.packed.qdata.data_ptr() == qt._qdata.data_ptr()
+    assert plain.convrot == (64 if fmt == "convrot_w4a4" else 0)
+    mod.weight = torch.nn.Parameter(qt.t(), requires_grad=False)
+    assert "transposed" in Resolver().linear(mod, CPU, BF16)[1]

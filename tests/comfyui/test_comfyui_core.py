@@ -187,6 +187,43 @@ def test_load_patch_greedy_mtp(comfy, kind):
     assert not [k for k in clip.patcher.object_patches if "generate" in k], "the input CLIP was patched"
 
 
+@pytest.mark.one_tree
+def test_auto_and_every_depth_equal_mtp_off(comfy, monkeypatch):
+    """Greedy on the random 0.8B with its head, loaded by the pack's loader through ``load_clip``:
+    ``mtp="auto"`` (drafts kept up to position 6, then none, then all: cycles, a plain segment, a
+    probe, and back; stand-in costs, a cycle at depth k costing 1 + 0.2 k plain steps) gives MTP
+    off's tokens, as depth 5 does (depth 3: ``test_load_patch_greedy_mtp``; every depth on
+    ComfyUI's modules: ``test_engine_mtp``). Short: each multi-row step of this model costs about
+    a second on two CPU cores."""
+    import qwen35_fast.engine.generation as generation
+    from qwen35_fast.engine import bind
+    from qwen35_fast.patches import comfy_bridge as bridge
+    from qwen35_fast.patches.clip_loader import load_qwen35_clip
+
+    from tests.engine.test_mtp_auto import StandIn
+
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: StandIn(0.2))
+    clip = load_qwen35_clip(checkpoint("bf16_mtp")).clip
+    target = _target(clip)
+    embeds, _ = bridge.prompt_embeds(target, clip.tokenize(PROMPT), torch.device("cpu"))
+    greedy = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
+                  presence_penalty=0.0, stop_tokens=[], execution_dtype=torch.float32)
+    n = 30
+    off = list(bridge.run_engine(target, embeds, max_length=n, mtp="off", **greedy))
+    vocab = bind(target.transformer).config.vocab_size
+
+    def phased(pos: int) -> int:
+        right = pos < 6 or pos >= 24
+        return off[pos] if right and pos < len(off) else (off[min(pos, n - 1)] + 1) % vocab
+
+    for mtp in (5, "auto"):
+        got = bridge.run_engine(target, embeds, max_length=n, mtp=mtp, mtp_draft=phased if mtp == "auto" else "argmax",
+                                **greedy)
+        assert list(got) == off, mtp
+    depths = got.stats.mtp_depths
+    assert 0 in depths and max(depths) >= 2, depths
+
+
 def test_chosen_head_file_replaces_cores_head(comfy):
     from qwen35_fast.patches.clip_loader import load_qwen35_clip
     from safetensors.torch import load_file

@@ -12,6 +12,7 @@ of ``workflows/api`` and the bad-input prompts, and interrupts a long generation
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -308,16 +309,30 @@ def server(tmp_path_factory):
     hub = _prompt_hub()
     env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(base / "hf"))
     env.pop("HF_HUB_OFFLINE", None)
+    try:
+        with running_comfyui(comfy, base, env) as srv:
+            srv.hub = hub
+            srv.version = srv.get("/system_stats").get("system", {}).get("comfyui_version")
+            print(f"ComfyUI {srv.version} at {srv.base}, log {srv.log_path}")
+            yield srv
+    finally:
+        hub.stop()
+
+
+@contextlib.contextmanager
+def running_comfyui(comfy: Path, base: Path, env: dict):
+    """ComfyUI's own ``main.py`` on a free local port (CPU, the pack alone among custom nodes, base
+    directory ``base``), as a ``Server`` once it answers ``/object_info`` (its ``port``, ``log_path``);
+    stopped when the block ends."""
     port = _free_port()
     log = open(base / "comfyui.log", "w")
     proc = subprocess.Popen(
-        [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
+        [_python(comfy), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
          "--base-directory", str(base), "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_DIR_NAME,
          "--database-url", "sqlite:///:memory:"],
         cwd=comfy, stdout=log, stderr=subprocess.STDOUT, env=env)
     srv = Server(f"http://127.0.0.1:{port}")
-    srv.hub = hub
-    srv.log_path = base / "comfyui.log"
+    srv.port, srv.log_path = port, base / "comfyui.log"
     try:
         end = time.time() + 180
         while True:
@@ -327,9 +342,7 @@ def server(tmp_path_factory):
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if proc.poll() is not None or time.time() > end:
                     pytest.fail("ComfyUI did not start:\n" + srv.log_path.read_text()[-4000:])
-                time.sleep(1)
-        srv.version = srv.get("/system_stats").get("system", {}).get("comfyui_version")
-        print(f"ComfyUI {srv.version} at {srv.base}, log {srv.log_path}")
+                time.sleep(0.5)
         yield srv
     finally:
         proc.terminate()
@@ -338,7 +351,6 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-        hub.stop()
 
 
 def _api(name):
@@ -473,6 +485,12 @@ def test_bad_inputs_give_clear_errors(server):
     p[pe]["inputs"]["max_length"] = 10**6
     msg = _bad(server, p)
     assert "max_length" in msg
+
+    p = json.loads(json.dumps(base))
+    p[pe]["inputs"]["megapixels"] = float("nan")  # JSON NaN passes ComfyUI's own min/max check
+    log_start = len(server.log_path.read_text())
+    assert "megapixels must be a number in" in _bad(server, p)
+    assert "length-aware decode on" not in server.log_path.read_text()[log_start:]  # refused before generating
 
     p = json.loads(json.dumps(base))
     p["90"] = {"class_type": "LoadImage", "inputs": {"image": "example.png"}}

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from qwen35_fast.downloads import hub_client, mtp_fetch
+from qwen35_fast.downloads import hub_client, transfer
 from qwen35_fast.downloads import model_fetch as mf
 from qwen35_fast.engine import Qwen35Config, generate, load_standalone
 from safetensors.torch import load_file
@@ -76,6 +76,11 @@ def repo(hub):
     return files, sd
 
 
+def left_behind(folder) -> list[str]:
+    """Files in ``folder`` other than the download locks (kept beside their files, as filelock does)."""
+    return sorted(n for n in os.listdir(folder) if not n.endswith(".lock")) if os.path.exists(folder) else []
+
+
 def expected_shapes(sd) -> dict:
     return Qwen35Config.from_state_dict(to_layout({k: v for k, v in sd.items() if not k.startswith("mtp.")},
                                                   "hf")).mtp_shapes()
@@ -83,7 +88,7 @@ def expected_shapes(sd) -> dict:
 
 def test_only_mtp_bytes_are_read_and_the_head_grafts(hub, repo, tmp_path, monkeypatch):
     files, sd = repo
-    monkeypatch.setattr(mtp_fetch, "MIB", 4096)  # "per MiB" progress, scaled to the tiny head
+    monkeypatch.setattr(transfer, "MIB", 4096)  # "per MiB" progress, scaled to the tiny head
     monkeypatch.setattr(hub_client, "_BLOCK", 4096)  # and reads of that size
     calls = []
     path = mf.fetch_mtp_head("9B", str(tmp_path / "te"), expected_shapes=expected_shapes(sd),
@@ -164,7 +169,7 @@ def test_corrupt_or_truncated_shard(hub, repo, tmp_path, damage):
     dest = tmp_path / "te"
     with pytest.raises(mf.FetchError, match=match):
         mf.fetch_mtp_head("9B", str(dest))
-    assert not dest.exists() or os.listdir(dest) == []
+    assert left_behind(dest) == []
 
 
 def test_wrong_size_head_is_refused(hub, repo, tmp_path):
@@ -174,7 +179,7 @@ def test_wrong_size_head_is_refused(hub, repo, tmp_path):
     dest = tmp_path / "te"
     with pytest.raises(mf.FetchError, match="another Qwen3.5 size"):
         mf.fetch_mtp_head("9B", str(dest), expected_shapes=wrong)
-    assert not dest.exists() or os.listdir(dest) == []
+    assert left_behind(dest) == []
     path = mf.fetch_mtp_head("9B", str(dest))  # an existing head is checked before use too
     with pytest.raises(mf.FetchError, match="another Qwen3.5 size.*Delete"):
         mf.fetch_mtp_head("9B", str(dest), expected_shapes=wrong)
@@ -186,7 +191,7 @@ def test_offline_gives_a_clear_error(hub, repo, tmp_path):
     dest = tmp_path / "te"
     with pytest.raises(mf.FetchError, match=r"Cannot download the MTP head.*hf download Qwen/Qwen3.5-9B"):
         mf.fetch_mtp_head("9B", str(dest))
-    assert not dest.exists() or os.listdir(dest) == []
+    assert left_behind(dest) == []
     with pytest.raises(mf.FetchError, match=r"hf download Qwen/Qwen-Image-2.1-PE-T2I system_prompt.txt"):
         mf.official_system_prompt("text-to-image", str(tmp_path / "models"))
     name = next(iter(mf.PE_FILES))
@@ -223,7 +228,7 @@ def test_pe_file_downloads_with_progress(hub, tmp_path):
     path = mf.fetch_pe_file(name, str(dest), progress=lambda d, t: calls.append((d, t)))
     with open(path, "rb") as f:
         assert f.read() == data
-    assert os.listdir(dest) == [name]  # the staging folder is gone
+    assert left_behind(dest) == [name]  # no part or staging folder is left
     assert calls and calls[-1] == (len(data), len(data))
     hub.stop()
     assert mf.fetch_pe_file(name, str(dest)) == path  # already there: no network
@@ -252,6 +257,11 @@ def test_extract_tool_ships_and_matches_the_download(hub, repo, tmp_path):
     fetched = load_file(mf.fetch_mtp_head("9B", str(tmp_path / "te")))
     extracted = load_file(str(out))
     assert set(fetched) == set(extracted) and all(torch.equal(fetched[k], extracted[k]) for k in fetched)
+    placed = tmp_path / "placed"
+    placed.mkdir()
+    (placed / "qwen3.5_9b_mtp_head.safetensors").write_bytes(out.read_bytes())
+    hub.stop()  # an extracted head at the download's place is used as is (its recorded sha256 checks out)
+    assert mf.fetch_mtp_head("9B", str(placed), expected_shapes=expected_shapes(sd)).startswith(str(placed))
     bad = subprocess.run([sys.executable, str(root / "tools" / "extract_mtp_head.py"), str(folder / SHARDS[0]),
                           str(tmp_path / "none.safetensors")], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no mtp.* tensors" in bad.stderr

@@ -229,13 +229,14 @@ def schemas():
     return {cls: cls.define_schema() for cls in extension.NODES}
 
 
-def test_entrypoint_lists_the_three_nodes():
+def test_entrypoint_lists_the_four_nodes():
     from qwen35_fast import comfy_entrypoint
 
     ext = asyncio.run(comfy_entrypoint())
     nodes = asyncio.run(ext.get_node_list())
     assert {n.define_schema().node_id for n in nodes} == {
-        "Qwen35FastCLIPLoader", "Qwen35FastPromptEnhancer", "Qwen35FastLengthAwarePatch"}
+        "Qwen35FastCLIPLoader", "Qwen35FastPromptEnhancer", "Qwen35FastLengthAwarePatch",
+        "Qwen35FastPromptEnhancerServer", "Qwen35FastSave4bit"}
     import qwen35_fast
     assert not hasattr(qwen35_fast, "NODE_CLASS_MAPPINGS")
 
@@ -475,6 +476,9 @@ def test_enhancer_system_prompt_official_or_own(scripted, tmp_path, monkeypatch)
     (dict(max_length=0), "max_length must be between"),
     (dict(max_length=10**6), "max_length must be between"),
     (dict(preset="nope"), "unknown preset"),
+    (dict(megapixels=float("nan")), "megapixels must be a number in"),  # NaN passes ComfyUI's min/max check
+    (dict(megapixels=float("inf")), "megapixels must be a number in"),
+    (dict(image1=torch.zeros(1, 0, 8, 3)), "input image is empty"),
 ])
 def test_enhancer_bad_input(scripted, kw, match):
     eng = scripted("x")

@@ -8,16 +8,6 @@ import pytest
 import torch
 from qwen35_fast.engine import GenerationStats, Qwen35Binding, Qwen35Error, bind, generate
 
-from tests.oracles.tiny import add_mtp, engine_model, make_tiny
-
-
-@pytest.fixture
-def model(tmp_path, rng):
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
-    sd, d = make_tiny(seed, strength=0.2)
-    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
-    return engine_model(sd, tmp_path), d
-
 
 class Interrupted(Exception):
     pass
@@ -175,3 +165,27 @@ def test_held_output_weight_same_logits_and_inference_tensors(model, rng):
             assert torch.equal(b.logits(h), want)
         res = generate(m, h[0], do_sample=False, max_length=6, mtp="off")
     assert len(res.tokens) == 6
+
+
+def test_arguments_out_of_range_are_refused_before_any_work(model):
+    """Token ids outside the vocabulary, seeds torch cannot take, a fractional top_k and a max_length
+    whose cache cannot fit: Qwen35Error naming the argument, before a single step (no callback)."""
+    m, d = model
+    vocab = d["vocab_size"]
+    cases = [
+        (dict(stop_tokens=[vocab]), "stop_tokens.*not a token id"),
+        (dict(stop_tokens=[-1]), "stop_tokens.*not a token id"),
+        (dict(initial_tokens=[vocab + 5]), "initial_tokens.*not a token id"),
+        (dict(initial_tokens=[-3]), "initial_tokens.*not a token id"),
+        (dict(seed=2**64), "seed must be an integer from 0 to 2\\*\\*64 - 1"),
+        (dict(seed=-1), "seed must be"),
+        (dict(top_k=2.7), "top_k must be an integer"),
+        (dict(max_length=10**12), "max_length is too large.*GiB"),
+    ]
+    for kw, msg in cases:
+        steps = []
+        with pytest.raises(Qwen35Error, match=msg):
+            generate(m, torch.randn(4, d["hidden_size"]), max_length=kw.pop("max_length", 4),
+                     callback=lambda *a: steps.append(a), **kw)
+        assert steps == [], kw
+    assert generate(m, torch.randn(4, d["hidden_size"]), max_length=2, top_k=20.0, seed=2**64 - 1).tokens

@@ -134,3 +134,22 @@ def test_fused_path_equals_torch_path_gpu(tmp_path, test_seed):
             assert fused.tokens == plain.tokens, (mtp, graphs, seed)
             if mtp != "off":
                 assert fused.stats.accepted == plain.stats.accepted
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_depth_switches_in_graphs(tmp_path, dtype, test_seed):
+    """``mtp="auto"`` through deep drafting, plain segments (the ``main+tokenh`` graph keeping each
+    step's hidden state for the head's catch-up) and back, with graphs: the MTP-off tokens."""
+    from tests.engine.test_mtp_auto import phased_hook
+
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda", dtype)
+    prompt = torch.randn(1, 23, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    prompt = prompt.to(dtype)
+    off = generate(model, prompt, do_sample=False, max_length=160, stop_tokens=[], mtp="off", cuda_graphs=True)
+    for graphs in (True, False):
+        res = generate(model, prompt, do_sample=False, max_length=160, stop_tokens=[], mtp="auto",
+                       cuda_graphs=graphs, mtp_draft=phased_hook(off.tokens, d["vocab_size"], seed=3))
+        assert res.tokens == off.tokens, graphs
+        assert 0 in res.stats.mtp_depths and max(res.stats.mtp_depths) >= 3, res.stats.mtp_depths

@@ -79,15 +79,33 @@ def _instance(tmp_path, rng, mtp, draft, tries: int = 8):
     return model, sd, d, prompt
 
 
-@pytest.mark.parametrize("mtp,draft", [("off", "argmax"), (2, "argmax"), (2, "sample")])
-def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft):
+class _DearDrafts:
+    """Stand-in costs for ``mtp="auto"``: a cycle at depth k costs 1 + k / 2 plain steps, so one
+    rejected draft sends the controller to plain steps and a kept one keeps it drafting."""
+
+    last_depth = None  # each generation starts afresh (at depth 1)
+
+    def estimate(self, depth: int) -> float:
+        return 1.0 + 0.5 * depth
+
+    def add(self, depth: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mtp,draft", [("off", "argmax"), (2, "argmax"), (2, "sample"), ("auto", "argmax")])
+def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft, monkeypatch):
+    """With ``mtp="auto"`` the depth of token 3 depends on whether token 2's draft was kept: plain
+    steps after a rejection, the verify's bonus row after an acceptance (both occur)."""
+    import qwen35_fast.engine.generation as generation
+
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: _DearDrafts())
     model, sd, d, prompt = _instance(tmp_path, rng, mtp, draft)
     ref = Reference(sd, d)
     v = d["vocab_size"]
     p2, p23 = exact_distributions(ref, prompt, v)
     c2 = torch.zeros(v, dtype=torch.float64)
     c23 = torch.zeros(v * v, dtype=torch.float64)
-    accepted = drafted = 0
+    accepted = drafted = switched = 0
     for run in range(RUNS):
         res = generate(model, prompt, do_sample=True, seed=run, max_length=4, mtp=mtp, mtp_draft=draft,
                        stop_tokens=[], **PARAMS)
@@ -95,8 +113,11 @@ def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft):
         c23[res.tokens[1] * v + res.tokens[2]] += 1
         accepted += res.stats.accepted
         drafted += res.stats.drafted
+        switched += 0 in res.stats.mtp_depths
     if mtp != "off":
         assert 0 < accepted < drafted, (accepted, drafted)  # both branches of the acceptance rule ran
+    if mtp == "auto":
+        assert 0 < switched < RUNS, switched
     for counts, probs in ((c2, p2), (c23, p23)):
         assert float(counts[probs == 0].sum()) == 0, "drew a token the target distribution forbids"
         p = chi2_pvalue(counts, probs)

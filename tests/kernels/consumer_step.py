@@ -106,6 +106,21 @@ def main(spec: dict) -> dict:
     return {"triton": __import__("triton").__version__, "pdl": pdl_off, "warnings": warned.messages, "calls": calls}
 
 
+FOUR_BIT = {"w4a4": "convrot_w4a4", "nvfp4": "nvfp4"}
+
+
+def _packed(torch, fmt: str, shapes):
+    """4-bit weights (``kernels/packed4.py``) of one launch's group, uninitialized (never read)."""
+    from qwen35_fast.kernels.packed4 import Packed4, round_up
+
+    if fmt == "w4a4":
+        return [Packed4("convrot_w4a4", torch.empty(n, k // 2, dtype=torch.int8), torch.ones(n), None, n, k, GROUP)
+                for n, k in shapes]
+    return [Packed4("nvfp4", torch.empty(round_up(n, 16), k // 2, dtype=torch.uint8), torch.ones(()),
+                    torch.empty(round_up(n, 128), round_up(k // 16, 4), dtype=torch.float8_e4m3fn), n, k)
+            for n, k in shapes]
+
+
 def _weights(torch, fmt: str, dt, shapes):
     """(weights, scales or None) of one launch's group, uninitialized (never read)."""
     if fmt == "int8":
@@ -118,13 +133,23 @@ def _weights(torch, fmt: str, dt, shapes):
 def _step(call, torch, gemv, launch, fused_ops, deltanet_step, attention_triton, argmax, convrot_triton, dt, fmt,
           rows, tag):
     quant = fmt != "float"
-    group = GROUP if fmt == "int8" else 0  # ConvRot: the activations arrive rotated
+    group = GROUP if fmt in ("int8", "w4a4") else 0  # ConvRot: the activations arrive rotated
     x = torch.zeros(1, rows, H, dtype=dt)
     partials = torch.zeros(launch.split_k(H, H, quant, rows, x.device), 1, rows, H)  # an output projection's split-K
     norm_w = torch.ones(H)
 
-    def lin(name, src, shapes, *, split=1, row_norm=None, prefetch=None, config=None):
-        ws, ss = _weights(torch, fmt, dt, shapes)
+    def lin(name, src, shapes, *, split=1, row_norm=None, prefetch=None, config=None, weights=fmt):
+        if weights in FOUR_BIT:  # the 4-bit GEMV (``kernels/gemv4.py``), rotated rows in for w4a4
+            from qwen35_fast.kernels import gemv4
+
+            ps = _packed(torch, fmt, shapes)
+            picked = config or launch.gemv4(sum(s[0] for s in shapes), shapes[0][1], FOUR_BIT[fmt],
+                                            src.numel() // src.shape[-1], src.device, weights=len(shapes),
+                                            x_bytes=src.element_size())[0]
+            call(f"{tag}: {name}", lambda: gemv4.gemv4_group(src, ps, rotate=False, split=split, row_norm=row_norm,
+                                                             prefetch=prefetch, config=config), picked=list(picked))
+            return
+        ws, ss = _weights(torch, weights, dt, shapes)
         call(f"{tag}: {name}", lambda: gemv.gemv_group(src, ws, scales=ss, split=split, row_norm=row_norm,
                                                        prefetch=prefetch, config=config),
              picked=list(config or gemv._picked(sum(s[0] for s in shapes), shapes[0][1], quant,
@@ -188,7 +213,9 @@ def _step(call, torch, gemv, launch, fused_ops, deltanet_step, attention_triton,
         call(f"{tag}: ConvRot rotation launch", lambda: convrot_triton.hadamard_rotate(
             x, convrot_triton.hadamard_cached(GROUP, x.device, dt)))
     # the check itself: an explicit launch config is never shrunk, so one past the limit must fail
-    lin("explicit config past the limit", x, [(INTER, H)], config=(256, 256, 4, 8))
+    # (with int8 weights for a 4-bit step: its tiles stream through registers, not shared memory)
+    lin("explicit config past the limit", x, [(INTER, H)], config=(256, 256, 4, 8),
+        weights="int8" if fmt in FOUR_BIT else fmt)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ GPUS = {
     "sm_89 other formats": (89, CONSUMER, [["bfloat16", "fp8"], ["bfloat16", "float"], ["float16", "int8"],
                                            ["float32", "int8"]], [1]),
     "sm_120": (120, CONSUMER, [["bfloat16", "int8"]], [1, 4]),
+    "sm_89 4-bit": (89, CONSUMER, [["bfloat16", "w4a4"], ["bfloat16", "nvfp4"]], [1, 4]),
     "sm_90": (90, HOPPER, [["bfloat16", "int8"], ["bfloat16", "float"]], [1]),
     "sm_90 verify": (90, HOPPER, [["bfloat16", "int8"]], [4]),
 }

@@ -83,3 +83,32 @@ def int8_convrot(tensors: dict, group: int = 256) -> dict:
         else:
             out[key] = w
     return out
+
+
+#: ComfyUI's 4-bit formats -> comfy-kitchen's layout class names (``comfy/quant_ops.py`` QUANT_ALGOS).
+FOUR_BIT_LAYOUTS = {"convrot_w4a4": "TensorCoreConvRotW4A4Layout", "nvfp4": "TensorCoreNVFP4Layout"}
+
+
+def mixed_formats(tensors: dict, fmt_of, group: int = 256) -> dict:
+    """Linear weights (2-D, not the embedding) in the format ``fmt_of(key)`` names, layer by layer, as
+    ComfyUI's save path writes them: ``convrot_w4a4`` (int8-packed int4 ``<layer>.weight``, float32
+    per-row ``weight_scale``, ``{"format": "convrot_w4a4", "convrot_groupsize": G}``), ``nvfp4``
+    (uint8 ``weight``, float8 ``weight_scale``, float32 ``weight_scale_2``), ``int8`` (as
+    ``int8_convrot``); None keeps the tensor. Quantized by comfy-kitchen."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    out = {}
+    for key, w in tensors.items():
+        fmt = fmt_of(key) if key.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in key else None
+        if fmt is None:
+            out[key] = w
+            continue
+        if fmt == "int8":
+            out.update(int8_convrot({key: w}, group))
+            continue
+        kw = {"convrot_groupsize": group} if fmt == "convrot_w4a4" else {}
+        out.update(QuantizedTensor.from_float(w, FOUR_BIT_LAYOUTS[fmt], **kw).state_dict(key))
+        conf = dict({"format": fmt}, **kw)
+        out[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode("utf-8")),
+                                                                   dtype=torch.uint8)
+    return out

@@ -73,6 +73,7 @@ class Schema:
     description: str = ""
     search_aliases: list = field(default_factory=list)
     is_output_node: bool = False
+    is_input_list: bool = False
     is_deprecated: bool = False
     is_experimental: bool = False
     not_idempotent: bool = False

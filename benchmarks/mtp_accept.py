@@ -1,0 +1,82 @@
+"""``comfy_e2e.py --accept P ...``: MTP off, every fixed depth 1..5 and ``mtp="auto"`` at chosen
+acceptance rates, inside ComfyUI, on the model ``comfy_e2e`` loaded (GPU).
+
+Each draft is replaced, after the MTP head ran, by ``benchmarks.draft_hook.acceptance_hook``'s: the
+reference token at that position with probability P (decided once per position), else another
+token. The reference is the MTP-off output of the same prompt with the same settings: greedy
+(every weight random but decisive, ``benchmarks.decode_e2e.build_model``, so greedy repeats with a
+large margin) and the prompt enhancer's text-to-image sampling (temperature 1, top-k 20, top-p
+0.95, presence penalty 1.5), where the decisive model still draws the reference token nearly
+always; each row records the acceptance it really got. Rows per mode and P, interleaved: off,
+depth 1..5, auto (its cost book warm from the earlier rows, as in a ComfyUI process that has
+generated before); decode tok/s from the 8th token (``TokenClock``).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.draft_hook import acceptance_hook
+
+KINDS = ("off", "1", "2", "3", "4", "5", "auto")
+
+
+def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, max_length: int, modes: dict, vocab: int,
+          repeat: int = 1) -> list[dict]:
+    """Rows ``{"format", "kind": "accept", "mode", "p", "mtp", "tok_s", "acceptance", "depths"}``
+    for every mode (name -> sampling keyword arguments of ``generate``), P and MTP setting. The
+    engine is called as the patch calls it (``run_engine``'s binding hooks and execution dtype),
+    with a callback that ticks ``clock`` and keeps the generation's stats."""
+    from qwen35_fast.engine import generate
+    from qwen35_fast.patches import comfy_bridge as bridge
+
+    bind = dict(weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS, stop_tokens=[],
+                execution_dtype=bridge.default_execution_dtype(embeds.device))
+    rows = []
+    for mode, kw in modes.items():
+        reference = generate(target.transformer, embeds, max_length=tokens + 16, mtp="off", **bind, **kw).tokens
+        for p in ps:
+            for _ in range(repeat):
+                for mtp in KINDS:
+                    hook = acceptance_hook(reference, p, vocab=vocab, seed=7) if mtp != "off" else "argmax"
+                    seen = {}
+
+                    def tick(all_tokens, new, stats, seen=seen):
+                        seen["stats"] = stats
+                        clock.tick(len(all_tokens))
+
+                    tok_s = clock.run(lambda m=mtp, h=hook, cb=tick: generate(
+                        target.transformer, embeds, max_length=max_length, mtp=m, mtp_draft=h, callback=cb,
+                        **bind, **kw), tokens)
+                    stats = seen["stats"]
+                    row = {"format": fmt, "kind": "accept", "mode": mode, "p": p, "mtp": mtp, "tok_s": tok_s,
+                           "acceptance": stats.acceptance_rate,
+                           "depths": {str(k): v for k, v in stats.mtp_depths.items()}}
+                    rows.append(row)
+                    print(f"{fmt:>5} {mode:>7} P={p:.1f} mtp={mtp:>4}: {tok_s:8.1f} tok/s, acceptance "
+                          f"{100 * row['acceptance']:5.1f}% {row['depths'] or ''}", flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per format, mode and P, the median tok/s of each setting, auto's ratio to the best
+    fixed setting and to off, and the depths auto ran."""
+    groups: dict[tuple, dict[str, list[float]]] = {}
+    depths: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("kind") != "accept":
+            continue
+        key = (r["format"], r["mode"], r["p"])
+        groups.setdefault(key, {}).setdefault(r["mtp"], []).append(r["tok_s"])
+        if r["mtp"] == "auto":
+            depths[key] = r["depths"]
+    head = "| file | sampling | P | " + " | ".join(KINDS) + " | auto / best | auto / off | auto's depths |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for (fmt, mode, p), by in sorted(groups.items()):
+        med = {k: statistics.median(v) for k, v in by.items()}
+        best = max(v for k, v in med.items() if k != "auto")
+        auto = med.get("auto", float("nan"))
+        cells = " | ".join(f"{med[k]:.0f}" if k in med else "-" for k in KINDS)
+        hist = " ".join(f"{k}x{n}" for k, n in sorted(depths.get((fmt, mode, p), {}).items(), reverse=True))
+        lines.append(f"| {fmt} | {mode} | {p:.1f} | {cells} | {auto / best:.2f} | {auto / med['off']:.2f} | {hist} |")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""4-bit weights in the decode-row products: ``y = x @ W.T`` with W stored as ComfyUI stores it (Triton).
+
+Weight-only: x stays bf16 / fp16 / fp32, each 4-bit weight is widened in registers to x's dtype
+(exactly: every value below is representable there), float32 accumulation, bytes read = the packed
+weights and their scales once. No repacking: the kernel reads comfy-kitchen's ``QuantizedTensor``
+storage as ComfyUI loaded it. Works wherever Triton runs (no INT4 / FP4 tensor cores needed; the
+dot is x's dtype on the tensor cores, as in ``gemv.py``).
+
+Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
+
+* ``convrot_w4a4`` (kitchen ``TensorCoreConvRotW4A4Layout``): ``qdata`` int8 ``[N, K/2]``, two
+  signed nibbles a byte, the even column in the low nibble; ``scale`` float32 ``[N]`` (one per output
+  row: kitchen's quantizer is row-wise, its ``quant_group_size`` 64 names the int4 MMA tile); rows
+  ConvRot-rotated in groups of G (``W_rot = W @ H_G.T``), so x is rotated first: by the kernel that
+  produced x (``rotated``), else one ``hadamard_rotate`` launch. ``W = unrotate(q * scale)``.
+* ``nvfp4`` (kitchen ``TensorCoreNVFP4Layout``): ``qdata`` uint8 ``[roundup(N,16), roundup(K,16)/2]``,
+  two E2M1 codes a byte, the even column in the HIGH nibble (kitchen's ``hi_first``); ``block_scale``
+  float8_e4m3fn, one per 16 columns, in cuBLAS's swizzled layout ``[roundup(N,128), roundup(K/16,4)]``
+  (``float_utils.to_blocked``: 128x4 tiles of 512 bytes, row r at ``(r%32)*16 + (r//32%4)*4``);
+  ``scale`` float32 ``[]`` (``weight_scale_2``). ``W = e2m1(q) * (block_scale * scale)``.
+
+An E2M1 value times its E4M3 block scale has at most 6 significant bits, so it is formed exactly in
+x's dtype; the per-row / per-tensor float32 scale multiplies the float32 accumulator. Launch
+settings come from ``launch.gemv4`` (the GPU's table, kinds ``w4a4`` / ``nvfp4``, else
+``fallback.gemv4_config``); split-K, ``row_norm``, ``prefetch`` and programmatic dependent launch
+behave as in ``gemv.gemv_group``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch
+from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
+from .gemv import MAX_GEMV_ROWS, MAX_GROUP, _prefetch_args, _row_norm_args
+from .packed4 import FORMATS, Packed4, packed_reason, round_up
+from .pdl import launch_args, trigger, wait
+from .ptx import prefetch_share
+from .row_norm import RowNorm
+
+__all__ = ["FORMATS", "Packed4", "gemv4", "gemv4_group", "gemv4_reason"]
+
+#: format name -> the kernel's FMT
+FMT = {"convrot_w4a4": 1, "nvfp4": 2}
+
+
+@triton.jit
+def _e2m1(nib):
+    # E2M1 code (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32, exactly.
+    mag = nib & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    pw = tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0))
+    v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pw)
+    return tl.where((nib & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e4m3(b):
+    # float8_e4m3fn byte (int32 0..255) -> float32, exactly (no FP8 instructions: any GPU).
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    pw = ((e + 120) << 23).to(tl.float32, bitcast=True)  # 2^(e - 7)
+    v = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * pw)
+    return tl.where((b & 128) != 0, -v, v)
+
+
+@triton.jit
+def _tile4(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps,
+           FMT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr):
+    # Program (pid, program_id(1)): BLOCK_N columns over [pid_k * K_PER, + K_PER) (a multiple of
+    # BLOCK_K). Each K tile: BLOCK_K / 2 bytes per row, its even and odd columns multiplied with x's
+    # even and odd columns as two dots. FMT 1: convrot_w4a4 (S per-row float32), 2: nvfp4 (S the
+    # swizzled E4M3 block scales with s_cols columns, T the float32 tensor scale).
+    HALF: tl.constexpr = BLOCK_K // 2
+    pid_k = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(k_lo + K_PER, K)
+    wait(PDL)
+    trigger(PDL)
+    if ROW_NORM > 0:
+        j = tl.arange(0, ROW_NORM)
+        sq = tl.load(NRM + offs_m[:, None] * s_nrm + j[None, :], mask=m_ok[:, None] & (j < n_nrm)[None, :], other=0.0)
+        factor = tl.rsqrt(tl.sum(sq, 1) / n_mean + eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_b = k0 // 2 + tl.arange(0, HALF)  # byte columns
+        even = 2 * offs_b
+        w_mask = n_ok[:, None] & (even < K)[None, :]
+        if PDL:
+            b = tl.load(W + offs_n[:, None] * sw_n + offs_b[None, :], mask=w_mask, other=0,
+                        eviction_policy="evict_first")
+        else:
+            b = tl.load(W + offs_n[:, None] * sw_n + offs_b[None, :], mask=w_mask, other=0)
+        x_e = tl.load(X + offs_m[:, None] * sx_m + even[None, :], mask=m_ok[:, None] & (even < K)[None, :], other=0.0)
+        x_o = tl.load(X + offs_m[:, None] * sx_m + even[None, :] + 1,
+                      mask=m_ok[:, None] & (even + 1 < K)[None, :], other=0.0)
+        b = b.to(tl.int32)
+        if FMT == 1:  # signed nibbles, even column low: sign-extend each
+            w_e = ((b << 28) >> 28).to(tl.float32).to(x_e.dtype)
+            w_o = (b >> 4).to(tl.float32).to(x_e.dtype)
+        else:  # E2M1 codes, even column high; times the block's E4M3 scale
+            b = b & 255
+            blk = k0 // 16 + tl.arange(0, HALF // 8)
+            r = offs_n[:, None]
+            s_off = ((r >> 7) * (s_cols // 4) + (blk[None, :] >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 \
+                + (blk[None, :] & 3)
+            sb = tl.load(S + s_off, mask=n_ok[:, None] & (blk < s_cols)[None, :], other=0).to(tl.int32) & 255
+            sc = tl.reshape(tl.broadcast_to(_e4m3(sb)[:, :, None], (BLOCK_N, HALF // 8, 8)), (BLOCK_N, HALF))
+            w_e = (_e2m1(b >> 4) * sc).to(x_e.dtype)
+            w_o = (_e2m1(b & 15) * sc).to(x_e.dtype)
+        if IEEE:
+            acc += tl.dot(x_e, tl.trans(w_e), input_precision="ieee")
+            acc += tl.dot(x_o, tl.trans(w_o), input_precision="ieee")
+        else:
+            acc += tl.dot(x_e, tl.trans(w_e))
+            acc += tl.dot(x_o, tl.trans(w_o))
+    if FMT == 1:
+        acc *= tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        acc *= tl.load(T).to(tl.float32)
+    if ROW_NORM > 0:
+        acc *= factor[:, None]
+    tl.store(Y + pid_k * sy_k + offs_m[:, None] * sy_m + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemv4_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, T0, T1, T2, T3, Y0, Y1, Y2, Y3, M, K, K_PER,
+                  N0, N1, N2, N3, E0, E1, E2, sx_m, sw0, sw1, sw2, sw3, sc0, sc1, sc2, sc3,
+                  sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3, NRM, n_nrm, s_nrm, n_mean, eps, PF, n_pf,
+                  COUNT: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr,
+                  PREFETCH: tl.constexpr):
+    # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (as ``gemv._gemv_kernel``).
+    pid = tl.program_id(0)
+    if pid < E0:
+        _tile4(X, W0, S0, T0, Y0, M, N0, K, K_PER, sx_m, sw0, sc0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps,
+               FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+    elif COUNT > 1 and pid < E1:
+        _tile4(X, W1, S1, T1, Y1, M, N1, K, K_PER, sx_m, sw1, sc1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean,
+               eps, FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+    elif COUNT > 2 and pid < E2:
+        _tile4(X, W2, S2, T2, Y2, M, N2, K, K_PER, sx_m, sw2, sc2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean,
+               eps, FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+    elif COUNT > 3:
+        _tile4(X, W3, S3, T3, Y3, M, N3, K, K_PER, sx_m, sw3, sc3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean,
+               eps, FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+    if PREFETCH:
+        prefetch_share(PF, n_pf, 128)
+
+
+def gemv4_reason(x: torch.Tensor, p: Packed4) -> str | None:
+    """None when ``gemv4_group`` takes x with the 4-bit weight ``p``, else why not (one line)."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"x is {x.dtype} (bf16, fp16 or fp32)"
+    why = packed_reason(p)
+    if why is not None:
+        return why
+    rows = x.numel() // max(1, x.shape[-1])
+    if x.shape[-1] != p.k or not 1 <= rows <= MAX_GEMV_ROWS:
+        return f"x {tuple(x.shape)} does not give 1..{MAX_GEMV_ROWS} rows of width {p.k}"
+    if x.device != p.qdata.device:
+        return "x and the weight are on different devices"
+    return None
+
+
+def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
+                config: tuple[int, ...] | None = None, split: int = 1, row_norm: RowNorm | None = None,
+                prefetch: torch.Tensor | None = None, prefetch_bytes: int | None = None) -> list[torch.Tensor]:
+    """``[x @ W.T for W in weights]`` in one launch: 1..4 4-bit weights of one format (and one ConvRot
+    group), x ``[..., K]`` bf16/fp16/fp32 with at most 16 rows in all -> ``[..., N_i]`` in x's dtype
+    (float32 accumulation). ``rotate=False``: x is already ConvRot-rotated in the weights' group
+    (convrot_w4a4); else it is rotated here (one launch). ``config`` = (BLOCK_N, BLOCK_K, warps,
+    stages) replaces the launch table's (BLOCK_K in weight columns, a multiple of 32). ``split``,
+    ``row_norm``, ``prefetch`` / ``prefetch_bytes`` as ``gemv.gemv_group`` (split > 1: float32
+    partials ``[P', ..., N_i]``). ValueError names what does not fit."""
+    if split < 1:
+        raise ValueError(f"gemv4: split must be >= 1, got {split}")
+    if not 1 <= len(weights) <= MAX_GROUP:
+        raise ValueError(f"gemv4: 1..{MAX_GROUP} weights, got {len(weights)}")
+    first = weights[0]
+    for p in weights:
+        why = gemv4_reason(x, p)
+        if why is None and (p.fmt, p.convrot) != (first.fmt, first.convrot):
+            why = "weights of different formats or ConvRot groups in one launch"
+        if why is not None:
+            raise ValueError(f"gemv4: unsupported operands: {why}; call the module (ComfyUI dequantizes)")
+    k = first.k
+    if first.fmt == "convrot_w4a4" and first.convrot and rotate:
+        x = hadamard_rotate(x, hadamard_cached(first.convrot, x.device, x.dtype))
+    x2 = flat_rows(x, k)
+    m = x2.shape[0]
+    nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
+    ns = [p.n for p in weights]
+    cfg = tuple(config) if config is not None else \
+        launch.gemv4(sum(ns), k, first.fmt, m, x.device, weights=len(weights), x_bytes=x.element_size())[0]
+    block_n, block_k, warps, stages = cfg[:4]
+    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
+    if block_k % 32 or block_n < 16:
+        raise ValueError(f"gemv4: config {cfg}: BLOCK_K must be a multiple of 32 and BLOCK_N at least 16")
+    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    parts = triton.cdiv(k, k_per)
+    shape = (m,) if split == 1 else (parts, m)
+    outs = [torch.empty(*shape, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device) for n in ns]
+    nv = first.fmt == "nvfp4"
+    ss = [p.block_scale.view(torch.uint8).reshape(-1) if nv else p.scale.reshape(-1) for p in weights]
+    ts = [p.scale.reshape(-1) for p in weights]
+    cols = [p.block_scale.numel() // round_up(round_up(p.n, 16), 128) if nv else 0 for p in weights]
+    ends, total = [], 0
+    for n in ns:
+        total += triton.cdiv(n, block_n)
+        ends.append(total)
+    pad = MAX_GROUP - len(weights)
+    pf = _prefetch_args(prefetch, x.device, prefetch_bytes) or (x2, 0)
+    ws = [p.qdata for p in weights]
+    ws, ss, ts, ys = ws + [ws[0]] * pad, ss + [ss[0]] * pad, ts + [ts[0]] * pad, outs + [outs[0]] * pad
+    nn, ee, cc = ns + [0] * pad, (ends + [total] * pad)[:3], cols + [0] * pad
+    _gemv4_kernel[(total, parts)](
+        x2, *ws, *ss, *ts, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws), *cc,
+        *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,
+        COUNT=len(weights), FMT=FMT[first.fmt], IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n,
+        BLOCK_K=block_k, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, num_warps=warps, num_stages=stages,
+        **launch_args(x.device))
+    return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
+
+
+def gemv4(x: torch.Tensor, p: Packed4, *, rotate: bool = True, config: tuple[int, ...] | None = None,
+          row_norm: RowNorm | None = None) -> torch.Tensor:
+    """``x @ W.T`` for one 4-bit weight (``gemv4_group`` with one weight): x ``[..., K]`` -> ``[..., N]``."""
+    return gemv4_group(x, [p], rotate=rotate, config=config, row_norm=row_norm)[0]

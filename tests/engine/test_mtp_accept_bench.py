@@ -1,0 +1,47 @@
+"""``benchmarks/mtp_accept.py`` (``comfy_e2e.py --accept``) on a tiny model on the CPU: every row
+gets the acceptance its P asks for, the clock's window is timed, and the table names auto's ratios."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from benchmarks.comfy_e2e import TokenClock
+from benchmarks.mtp_accept import KINDS, sweep, table
+from tests.oracles.tiny import add_mtp, engine_model, make_tiny
+
+
+class _Bar:
+    def __init__(self, total):
+        self.total = total
+
+    def update_absolute(self, value, total=None, preview=None):
+        pass
+
+
+def test_accept_sweep_rows_and_table(tmp_path, rng, monkeypatch):
+    import qwen35_fast.engine.generation as generation
+
+    from tests.engine.test_mtp_auto import StandIn
+
+    # the CPU's own costs (a 2-row verify of this tiny model costs several 1-row steps) may rightly
+    # keep auto plain at P = 1: stand-in costs of a GPU-like ratio make its depths predictable
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: StandIn(0.2))
+    sd, d = make_tiny(11, strength=0.2)
+    model = engine_model(add_mtp(sd, d, 12, noise=0.02, norm_spread=0.05), tmp_path)
+    target = types.SimpleNamespace(transformer=model)
+    clock = TokenClock(types.SimpleNamespace(ProgressBar=_Bar))
+    prompt = torch.randn(1, 5, d["hidden_size"], generator=rng)
+    greedy = dict(do_sample=False)
+    rows = sweep("tiny", target, prompt, clock, ps=[0.0, 1.0], tokens=24, max_length=64, modes={"greedy": greedy},
+                 vocab=d["vocab_size"])
+    assert [(r["p"], r["mtp"]) for r in rows] == [(p, k) for p in (0.0, 1.0) for k in KINDS]
+    for r in rows:
+        assert r["tok_s"] > 0
+        if r["mtp"] in ("1", "2", "3", "4", "5"):
+            assert r["acceptance"] == r["p"], r  # greedy: a right draft is always kept, a wrong one never
+    auto = {r["p"]: r for r in rows if r["mtp"] == "auto"}
+    assert "0" in auto[0.0]["depths"] and "5" in auto[1.0]["depths"], auto
+    md = table(rows)
+    assert md.count("\n| tiny | greedy |") == 2 and "auto / best" in md

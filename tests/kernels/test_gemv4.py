@@ -1,0 +1,126 @@
+"""4-bit decode-row products (``kernels/gemv4.py``, Triton, CPU interpreter) against float64 products
+with the weight as ComfyUI itself dequantizes the same stored tensors (comfy-kitchen's
+``TensorCoreConvRotW4A4Layout`` / ``TensorCoreNVFP4Layout`` ``QuantizedTensor.dequantize``)."""
+
+import pytest
+import torch
+from qwen35_fast.kernels.gemv4 import gemv4, gemv4_group, gemv4_reason
+from qwen35_fast.kernels.packed4 import Packed4, dequantize
+
+ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="comfy-kitchen (requirements-dev.txt) is the oracle")
+
+LAYOUTS = {"convrot_w4a4": "TensorCoreConvRotW4A4Layout", "nvfp4": "TensorCoreNVFP4Layout"}
+CFG = (16, 64, 4, 2)  # small tiles: several K tiles and a ragged last one at these widths
+
+
+def stored(rng, fmt: str, n: int, k: int, group: int = 256):
+    """(Packed4 over the stored tensors, ComfyUI's float64 dequantization of them) for a random weight
+    quantized by comfy-kitchen as ComfyUI's layouts quantize."""
+    w = torch.randn(n, k, generator=rng) * 0.05
+    kw = {"convrot_groupsize": group} if fmt == "convrot_w4a4" else {}
+    qt = ck_tensor.QuantizedTensor.from_float(w, LAYOUTS[fmt], **kw)
+    params = qt._params
+    block = getattr(params, "block_scale", None)
+    p = Packed4(fmt, qt._qdata, params.scale, block, n, k, group if fmt == "convrot_w4a4" else 0)
+    return p, qt.dequantize().double()
+
+
+def rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def tol(dtype):
+    # fp32: the order of the sums; bf16 / fp16: x's rotation and the output each rounded once
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test below
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("fmt, n, k, group", [("convrot_w4a4", 37, 320, 64), ("convrot_w4a4", 21, 256, 256),
+                                              ("nvfp4", 37, 100, 0), ("nvfp4", 130, 64, 0)])
+def test_4bit_matches_comfy_dequantization(rng, fmt, n, k, group, dtype, rows):
+    """Odd output widths (nvfp4: rows and columns padded in storage, 130 rows over two swizzle tiles),
+    K no tile multiple, x rows strided inside a wider tensor."""
+    p, w = stored(rng, fmt, n, k, group)
+    wide = torch.randn(rows, k + 7, generator=rng).to(dtype)
+    x = wide[:, 3:3 + k]  # row stride k + 7
+    out = gemv4(x, p, config=CFG)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert rel(out, x.double() @ w.T) < tol(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["convrot_w4a4", "nvfp4"])
+def test_group_split_and_row_norm(rng, fmt):
+    """Two weights in one launch, split over K ranges (float32 partials summing to the product), and
+    a deferred RMSNorm factor applied to the accumulator."""
+    from qwen35_fast.kernels.row_norm import RowNorm
+
+    k, rows, eps = 256, 5, 1e-5
+    group = 64 if fmt == "convrot_w4a4" else 0
+    (p1, w1), (p2, w2) = stored(rng, fmt, 45, k, group), stored(rng, fmt, 7, k, group)
+    x = torch.randn(1, rows, k, generator=rng)
+    outs = gemv4_group(x, [p1, p2], config=CFG, split=4)
+    for out, w in zip(outs, (w1, w2)):
+        assert out.shape == (4, 1, rows, w.shape[0]) and out.dtype == torch.float32
+        assert rel(out.sum(0), x.double() @ w.T) < 1e-5
+    sq = torch.rand(1, rows, 4, generator=rng) * 1e-3
+    fac = 1 / torch.sqrt(sq.double().sum(-1, keepdim=True) / k + eps)
+    (y,) = gemv4_group(x, [p1], config=CFG, row_norm=RowNorm(sq, k, eps))
+    assert rel(y, (x.double() @ w1.T) * fac) < 1e-5
+
+
+def test_prerotated_input_and_mutations(rng):
+    """The broken versions this test is there to catch, each measured against the same reference:
+    the rotation left out, a scale dropped, the nibble order swapped: all far off."""
+    from qwen35_fast.kernels.convrot import hadamard
+    from qwen35_fast.kernels.convrot_triton import hadamard_rotate
+
+    k, rows = 256, 2
+    p, w = stored(rng, "convrot_w4a4", 19, k, 64)
+    x = torch.randn(rows, k, generator=rng)
+    ref = x.double() @ w.T
+    assert rel(gemv4(hadamard_rotate(x, hadamard(64)), p, rotate=False, config=CFG), ref) < 1e-5
+    assert rel(gemv4(x, p, rotate=False, config=CFG), ref) > 0.3  # rotation off
+    ones = Packed4(p.fmt, p.qdata, torch.ones_like(p.scale), None, p.n, p.k, p.convrot)
+    assert rel(gemv4(x, ones, config=CFG) * p.scale.double(), ref) < 1e-5
+    assert rel(gemv4(x, ones, config=CFG), ref) > 0.3  # scale dropped
+    u = p.qdata.view(torch.uint8)
+    swapped = ((u << 4) | (u >> 4)).view(torch.int8)
+    assert rel(gemv4(x, Packed4(p.fmt, swapped, p.scale, None, p.n, p.k, 64), config=CFG), ref) > 0.3
+    q, wq = stored(rng, "nvfp4", 19, k)
+    ref = x.double() @ wq.T
+    u = q.qdata
+    assert rel(gemv4(x, Packed4("nvfp4", (u << 4) | (u >> 4), q.scale, q.block_scale, 19, k), config=CFG), ref) > 0.3
+    flat = torch.ones_like(q.block_scale.float()).to(torch.float8_e4m3fn)  # block scales dropped
+    assert rel(gemv4(x, Packed4("nvfp4", u, q.scale, flat, 19, k), config=CFG), ref) > 0.3
+
+
+@pytest.mark.parametrize("fmt, n, k", [("convrot_w4a4", 21, 512), ("nvfp4", 130, 100)])
+def test_torch_twin_is_comfy_dequantization(rng, fmt, n, k):
+    """``packed4.dequantize`` (the converter's and the fallback's) equals ComfyUI's, bit for bit in float32."""
+    p, w = stored(rng, fmt, n, k, 256)
+    assert torch.allclose(dequantize(p).double(), w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["convrot_w4a4", "nvfp4"])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gpu_bf16_matches_comfy_dequantization(fmt, rows):
+    """Compiled, bf16 (the interpreter has no bf16 dot), the launch table's config, 9B-like width."""
+    gen = torch.Generator().manual_seed(7)
+    p, w = stored(gen, fmt, 1000, 4096)
+    p = Packed4(p.fmt, p.qdata.cuda(), p.scale.cuda(), None if p.block_scale is None else p.block_scale.cuda(),
+                p.n, p.k, p.convrot)
+    x = torch.randn(1, rows, 4096, generator=gen).to(torch.bfloat16).cuda()
+    assert rel(gemv4(x, p).cpu(), x.double().cpu() @ w.T) < tol(torch.bfloat16)
+
+
+def test_bad_operands_say_why(rng):
+    p, _ = stored(rng, "nvfp4", 16, 64)
+    assert "width 64" in gemv4_reason(torch.randn(2, 48), p)
+    assert "swizzled" in gemv4_reason(torch.randn(2, 64), Packed4("nvfp4", p.qdata, p.scale, None, 16, 64))
+    c, _ = stored(rng, "convrot_w4a4", 16, 256, 64)
+    bad = Packed4("convrot_w4a4", c.qdata, torch.ones(16, 4), None, 16, 256, 64)
+    assert "per output row" in gemv4_reason(torch.randn(1, 256), bad)
+    with pytest.raises(ValueError, match="different formats"):
+        gemv4_group(torch.randn(1, 256), [c, Packed4("convrot_w4a4", c.qdata, c.scale, None, 16, 256, 256)])
