@@ -18,6 +18,32 @@ SHA_KEY = "data_sha256"      # __metadata__ key holding the hex sha256 of the da
 SHA_PLACEHOLDER = "0" * 64   # written first, replaced in place once the data is verified
 
 
+MTP_PREFIXES = ("mtp.", "model.mtp.")  # an MTP head's tensor names (base repositories: mtp.*)
+_HAS_MTP: dict[str, tuple[tuple[int, int], bool]] = {}  # path -> ((size, mtime_ns), answer)
+
+
+def has_mtp_tensors(path: str) -> bool:
+    """True when the file at ``path`` is a safetensors file whose header names ``mtp.*`` tensors
+    (the header only is read; the answer is cached per path, size and mtime). Anything else (another
+    format, an unreadable or corrupt file) is False: it is simply not offered as an MTP head."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    key = (st.st_size, st.st_mtime_ns)
+    cached = _HAS_MTP.get(path)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    answer = False
+    if path.endswith(".safetensors"):
+        try:
+            answer = any(name.startswith(MTP_PREFIXES) for name in local_header(path))
+        except FetchError:
+            answer = False
+    _HAS_MTP[path] = (key, answer)
+    return answer
+
+
 def data_start(path: str) -> int:
     """Byte offset of the data section (after the 8-byte length and the header)."""
     with open(path, "rb") as f:

@@ -27,9 +27,10 @@ from .safetensors_header import local_header, tensor_shapes
 from .transfer import Check
 from .whole_file import fetch_whole
 
-__all__ = ["DOWNLOAD", "INDEX_FILE", "MTP_BASE_REPOS", "PE_FILES", "PE_REPO", "PROMPT_FILE", "PROMPT_REPOS",
-           "FetchError", "comfy_check", "comfy_progress", "download_repo", "fetch_mtp_head", "fetch_pe_file",
-           "mtp_download_options", "mtp_head_for", "official_system_prompt", "prompt_path"]
+__all__ = ["DOWNLOAD", "DOWNLOAD_MATCHING", "INDEX_FILE", "MTP_BASE_REPOS", "PE_FILES", "PE_REPO", "PROMPT_FILE",
+           "PROMPT_REPOS", "FetchError", "comfy_check", "comfy_progress", "download_repo", "fetch_mtp_head",
+           "fetch_pe_file", "is_download", "mtp_download_options", "mtp_head_for", "official_system_prompt",
+           "prompt_path"]
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +122,26 @@ def fetch_pe_file(name: str, dest_dir: str, *, progress: Progress | None = None,
 # --------------------------------------------------------------------------------------------
 
 DOWNLOAD = "download ({})"
+#: The loader's default ``mtp_head`` choice: the head of the base model of the loaded file's own size.
+DOWNLOAD_MATCHING = "download (base model of the same size)"
 
 
 def mtp_download_options() -> list[str]:
-    """Loader ``mtp_head`` choices that fetch the head on first use; the 9B enhancer's first."""
+    """Loader ``mtp_head`` choices that fetch the head on first use: the size-matching choice (the
+    default), then one per base repository, the 9B enhancer's first."""
     sizes = ["9B", *[s for s in MTP_BASE_REPOS if s != "9B"]]
-    return [DOWNLOAD.format(MTP_BASE_REPOS[s]) for s in sizes]
+    return [DOWNLOAD_MATCHING, *[DOWNLOAD.format(MTP_BASE_REPOS[s]) for s in sizes]]
+
+
+def is_download(option: str) -> bool:
+    """True for every ``mtp_head`` choice that downloads (``DOWNLOAD_MATCHING`` or ``download (<repo>)``)."""
+    return option == DOWNLOAD_MATCHING or download_repo(option) is not None
 
 
 def download_repo(option: str) -> str | None:
-    """The repository of a ``download (<repo>)`` choice, else None."""
+    """The repository of a ``download (<repo>)`` choice, else None (also for ``DOWNLOAD_MATCHING``)."""
+    if option == DOWNLOAD_MATCHING:
+        return None
     if isinstance(option, str) and option.startswith("download (") and option.endswith(")"):
         return option[len("download ("):-1]
     return None
@@ -141,12 +152,13 @@ def mtp_head_for(option: str, clip_path: str, dest_dir: str, *, progress: Progre
     """Path of the MTP head a ``download (<repo>)`` choice stands for, fetched on first use.
 
     The size comes from the main checkpoint's tensor shapes (header only), which also give the
-    shapes the head must have; a repository of another size is refused, naming the right one.
+    shapes the head must have; ``DOWNLOAD_MATCHING`` takes that size's base repository, and an
+    explicit repository of another size is refused, naming the right one.
     """
     from ..engine import Qwen35Config, Qwen35Error
 
     repo = download_repo(option)
-    if repo is None:
+    if repo is None and option != DOWNLOAD_MATCHING:
         raise ValueError(f"{option!r} is not a download choice")
     name = os.path.basename(clip_path)
     try:
@@ -158,7 +170,7 @@ def mtp_head_for(option: str, clip_path: str, dest_dir: str, *, progress: Progre
     if want is None:
         raise FetchError(f"{name} is not one of the released Qwen3.5 sizes ({', '.join(MTP_BASE_REPOS)}), so no "
                          "base repository holds its MTP head: pick an MTP head file, or 'none'.")
-    if want != repo:
+    if repo is not None and want != repo:
         raise FetchError(f"{name} is a Qwen3.5 {size}; its MTP head comes from {want}, not {repo}: pick "
                          f"'{DOWNLOAD.format(want)}'.")
     return fetch_mtp_head(size, dest_dir, expected_shapes=config.mtp_shapes(), progress=progress, check=check)

@@ -14,7 +14,7 @@ import os
 import struct
 
 from . import transfer
-from .head_check import FLOAT_DTYPES, SHA_KEY, SHA_PLACEHOLDER, check_head, record_sha256
+from .head_check import FLOAT_DTYPES, MTP_PREFIXES, SHA_KEY, SHA_PLACEHOLDER, check_head, record_sha256
 from .hub_client import (
     MIB,
     PART,
@@ -40,7 +40,6 @@ MTP_BASE_REPOS = {
     "27B": "Qwen/Qwen3.5-27B",
 }
 INDEX_FILE = "model.safetensors.index.json"
-MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
 def mtp_head_name(size: str) -> str:

@@ -201,12 +201,14 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         if k == 0:
             count = min(control.segment_length(), room + 1) if room else 1
             keep = torch.empty(1, count, binding.config.hidden_size, dtype=dtype, device=device)
-            before = len(sampler.generated)
-            stop, per_token = _decode_ahead(binding, runner, sampler, positions, before + count, stats, report,
-                                            keep=(keep, use_prenorm))
-            new = sampler.generated[before:]
-            if room:  # a segment the controller asked for (not the last token's single step)
-                control.plain(len(new), per_token)
+            before, per_token = len(sampler.generated), None
+            try:
+                stop, per_token = _decode_ahead(binding, runner, sampler, positions, before + count, stats, report,
+                                                keep=(keep, use_prenorm))
+            finally:  # counted in the stats also when a callback stops the generation mid-segment
+                new = sampler.generated[before:]
+                if room:  # a segment the controller asked for (not the last token's single step)
+                    control.plain(len(new), per_token)
             if stop == "stop_token" or len(sampler.generated) >= max_length:
                 return stop
             if not catch:

@@ -53,12 +53,26 @@ def signature_form(fn) -> str | None:
     return None
 
 
+def kitchen_version(ck) -> str:
+    """comfy-kitchen's version: its module's ``__version__``, else the installed distribution's
+    metadata (0.2.24's module has no ``__version__``), else "(version unknown)"."""
+    version = getattr(ck, "__version__", None)
+    if version:
+        return str(version)
+    from importlib import metadata
+
+    try:
+        return metadata.version("comfy-kitchen")
+    except metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def _detect_uncached() -> KitchenDecode:
     try:  # an optional kernel library (not ComfyUI itself), imported by name like any optional backend
         ck = importlib.import_module("comfy_kitchen")
     except Exception as exc:  # ImportError, or a broken native extension
         return KitchenDecode(None, None, f"comfy-kitchen is not importable ({exc})")
-    version = getattr(ck, "__version__", "?")
+    version = kitchen_version(ck)
     fn = getattr(ck, "flash_attention_decode_gqa", None)
     if fn is None:
         return KitchenDecode(None, None, f"comfy-kitchen {version} has no flash_attention_decode_gqa "

@@ -5,7 +5,9 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..downloads import model_fetch
+from ..downloads.head_check import has_mtp_tensors
 from ..patches.clip_loader import NO_MTP_FILE, load_qwen35_clip
+from ..patches.comfy_bridge import show_status
 
 
 class Qwen35CLIPLoader(io.ComfyNode):
@@ -15,6 +17,7 @@ class Qwen35CLIPLoader(io.ComfyNode):
 
         files = folder_paths.get_filename_list("text_encoders")
         offered = [n for n in model_fetch.PE_FILES if n not in files]  # downloaded when picked
+        heads = [n for n in files if has_mtp_tensors(folder_paths.get_full_path("text_encoders", n) or "")]
         return io.Schema(
             node_id="Qwen35FastCLIPLoader",
             display_name="Load Qwen3.5 CLIP (MTP)",
@@ -28,11 +31,12 @@ class Qwen35CLIPLoader(io.ComfyNode):
                                        "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors. A Comfy-Org "
                                        "enhancer file you do not have yet is listed too and downloaded "
                                        "(about 10 GB, with progress) the first time it runs."),
-                io.Combo.Input("mtp_head", options=[*model_fetch.mtp_download_options(), NO_MTP_FILE, *files],
+                io.Combo.Input("mtp_head", options=[*model_fetch.mtp_download_options(), NO_MTP_FILE, *heads],
                                default=model_fetch.mtp_download_options()[0],
-                               tooltip="The MTP head (mtp.* tensors of the same Qwen3.5 size). 'download "
-                                       "(Qwen/Qwen3.5-9B)' fetches only those tensors of the base model once "
-                                       "(about 0.5 GB) into models/text_encoders; or pick a head file; 'none' "
+                               tooltip="The MTP head (mtp.* tensors of the same Qwen3.5 size). 'download (base "
+                                       "model of the same size)' (or a named base repository) fetches only those "
+                                       "tensors of the base model once (about 0.5 GB for 9B) into "
+                                       "models/text_encoders; or pick a file with mtp.* tensors; 'none' "
                                        "uses the main file's mtp.* tensors if it has any, else MTP is off."),
                 io.Combo.Input("device", options=["default", "cpu"], default="default", optional=True,
                                advanced=True),
@@ -56,11 +60,12 @@ class Qwen35CLIPLoader(io.ComfyNode):
             clip_path = model_fetch.fetch_pe_file(clip_name, folder, progress=model_fetch.comfy_progress(),
                                                   check=model_fetch.comfy_check())
         mtp_path = None
-        if model_fetch.download_repo(mtp_head):
+        if model_fetch.is_download(mtp_head):
             mtp_path = model_fetch.mtp_head_for(mtp_head, clip_path, folder, progress=model_fetch.comfy_progress(),
                                                 check=model_fetch.comfy_check())
         elif mtp_head and mtp_head != NO_MTP_FILE:
             mtp_path = folder_paths.get_full_path_or_raise("text_encoders", mtp_head)
         result = load_qwen35_clip(clip_path, mtp_path, device=device,
                                   embedding_directory=folder_paths.get_folder_paths("embeddings"))
+        show_status(result.status)  # on the node itself, not only through a connected preview
         return io.NodeOutput(result.clip, result.status, ui={"text": [result.status]})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..patches.clip_patch import patch_clip
-from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
+from ..patches.clip_patch import patch_clip, patch_status
+from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES, show_status
 
 
 class Qwen35LengthAwarePatch(io.ComfyNode):
@@ -36,4 +36,7 @@ class Qwen35LengthAwarePatch(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip, mtp="auto", attention="auto") -> io.NodeOutput:
-        return io.NodeOutput(patch_clip(clip, mtp=mtp, attention=attention))
+        patched = patch_clip(clip, mtp=mtp, attention=attention)
+        status = patch_status(patched, mtp)
+        show_status(status)  # on the node, e.g. "MTP off: no head. ..."
+        return io.NodeOutput(patched, ui={"text": [status]})

@@ -175,6 +175,18 @@ def _refuse_unknown(entry: str, kwargs: Mapping) -> None:
             "remove the 'Length-aware decode (Qwen3.5)' node for this model.")
 
 
+def patch_status(clip, mtp: str) -> str:
+    """One line for the patch node: what decodes, and whether MTP runs; the fix first when it cannot."""
+    target = bridge.find_qwen35(clip)
+    has_head = getattr(target.model, "mtp", None) is not None or getattr(target.transformer, "mtp", None) is not None
+    if str(mtp) == "off":
+        return "Length-aware decode on; MTP off (mtp = off)."
+    if not has_head:
+        return ("MTP off: no head. Load the CLIP with 'Load Qwen3.5 CLIP (MTP)' (mtp_head: download) for MTP; "
+                "length-aware decode is on.")
+    return f"Length-aware decode on; MTP {mtp}."
+
+
 def patch_clip(clip, *, mtp="auto", attention="auto"):
     """Return a clone of ``clip`` whose Qwen3.5 ``generate`` runs on the engine; ``clip`` is untouched.
 

@@ -230,6 +230,11 @@ def _send_text(text: str, node_id: str | None) -> bool:
     return True
 
 
+def show_status(text: str) -> bool:
+    """Show ``text`` under the executing node (progress text), where this ComfyUI can."""
+    return _send_text(text, executing_node_id())
+
+
 def show_warning(text: str) -> bool:
     """Show a warning under the executing node (live text), where this ComfyUI can."""
     return _send_text(f"Warning: {text}", executing_node_id())

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 FLAT_TOLERANCE = 1.15
+MAX_MTP_DEPTH = 5  # the engine's (engine/request.py); the demo parses its arguments before importing it
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,14 +35,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=24, help="random prompt length (default 24)")
     ap.add_argument("--max-lengths", type=int, nargs=2, default=(256, 65536), metavar=("SMALL", "LARGE"),
                     help="the two cache sizes compared (default 256 65536)")
-    ap.add_argument("--mtp", type=int, default=3, help="MTP draft depth for the 'on' runs (default 3)")
+    ap.add_argument("--mtp", type=int, default=3, choices=range(1, MAX_MTP_DEPTH + 1), metavar="DEPTH",
+                    help=f"MTP draft depth for the 'on' runs, 1..{MAX_MTP_DEPTH} (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration (default 1)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the median counts")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best (fastest) counts, "
+                    "the median is shown beside it")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                     help="CPU threads, pinned to as many cores (default: min(2, cores))")
     ap.add_argument("--skip-capacity", action="store_true", help="skip the decode-attention capacity table")
     args = ap.parse_args(argv)
-    for name in ("new_tokens", "prompt_tokens", "repeats", "threads", "mtp"):
+    for name in ("new_tokens", "prompt_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
@@ -197,7 +200,7 @@ def verdicts(results: dict, args) -> list[str]:
         ratio = results[("torch", large, mtp)][1] / results[("torch", small, mtp)][1]
         flat = ratio <= FLAT_TOLERANCE
         lines.append(f"flat in max_length (length-aware attention, MTP {mtp}): {'yes' if flat else 'no'} "
-                     f"- {large} vs {small}: x{ratio:.2f} per token")
+                     f"- {large} vs {small}: x{ratio:.2f} per token (best of {args.repeats} runs each)")
     masked = results[("masked", large, "off")][1] / results[("masked", small, "off")][1]
     lines.append(f"capacity-bound 'masked' attention (ComfyUI today) at {large} vs {small}: x{masked:.2f} per token")
     token_lists = [r[0] for r in results.values()]

@@ -24,8 +24,7 @@ OUT = ROOT / "workflows"
 HF = "https://huggingface.co/Comfy-Org/Qwen-Image-2.1/resolve/main"
 PE_T2I = "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"
 PE_I2I = "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors"
-MTP = "download (Qwen/Qwen3.5-9B)"  # the loader fetches only the mtp.* tensors, once
-MTP_FILE = "qwen3.5_9b_mtp_head.safetensors"  # what that download writes; API twins name the file
+MTP = "download (base model of the same size)"  # the loader's default: only the mtp.* tensors, once
 DIT = "qwen_image_2.1_int8_convrot.safetensors"
 TE = "qwen3vl_8b_int8_convrot.safetensors"
 VAE = "qwen_image_2.1_vae_bf16.safetensors"
@@ -303,34 +302,19 @@ def text_generate() -> Graph:
     return g
 
 
-#: API-twin-only nodes: the edit twin shrinks the input image so a CPU server runs the vision
-#: tower and the prompt in seconds (the UI workflow feeds the full image).
-API_IMAGE_SCALE = {"7": {"class_type": "ImageScale",
-                         "inputs": {"upscale_method": "area", "width": 64, "height": 64, "crop": "center",
-                                    "image": ["6", 0]}}}
-
-
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
     specs = [
         ("pe_text_to_image", "pe_text_to_image_api", text_to_image(), [PE_T2I, DIT, TE, VAE],
-         {1, 2, 3, 4, 5}, {1: {"mtp_head": MTP_FILE}, 2: {"max_length": 8}}),
-        ("pe_edit", "pe_edit_api", edit(), [PE_I2I, DIT, TE, VAE], {1, 2, 3, 4, 5, 6},
-         {1: {"mtp_head": MTP_FILE}, 2: {"max_length": 8, "image1": ["7", 0]}}),
-        ("textgenerate_length_aware", "textgenerate_length_aware_api", text_generate(), [PE_T2I], None,
-         {3: {"max_length": 8}}),
+         {1, 2, 3, 4, 5}),
+        ("pe_edit", "pe_edit_api", edit(), [PE_I2I, DIT, TE, VAE], {1, 2, 3, 4, 5, 6}),
+        ("textgenerate_length_aware", "textgenerate_length_aware_api", text_generate(), [PE_T2I], None),
     ]
-    for ui_name, api_name, graph, models, keep, api_overrides in specs:
+    for ui_name, api_name, graph, models, keep in specs:
         ui = to_ui(graph, models, ui_name)
         ui["extra"]["models"] = [{"name": m, "url": MODELS[m][0], "directory": MODELS[m][1]} for m in models]
         (OUT / f"{ui_name}.json").write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n")
-        api = to_api(graph, keep)
-        # API twins stay short so servers can run them on a CPU, and name the head file the download writes
-        for nid, values in api_overrides.items():
-            api[str(nid)]["inputs"].update(values)
-        for nid, node in API_IMAGE_SCALE.items():
-            if any(v == [nid, 0] for n in api.values() for v in n["inputs"].values()):
-                api[nid] = json.loads(json.dumps(node))
+        api = to_api(graph, keep)  # the UI graph's own values: the twin runs as shipped
         (OUT / "api" / f"{api_name}.json").write_text(json.dumps(api, indent=1, ensure_ascii=False) + "\n")
         try:
             import PIL  # noqa: F401 - the PNG writer draws with Pillow

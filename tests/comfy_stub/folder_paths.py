@@ -18,3 +18,9 @@ def get_full_path_or_raise(kind, name):
 
 def get_folder_paths(kind):
     return [FOLDERS[kind]] if FOLDERS.get(kind) else []
+
+
+def get_full_path(kind, name):
+    """As ComfyUI's: the path, or None when there is no such file."""
+    path = os.path.join(FOLDERS.get(kind) or "", name)
+    return path if os.path.isfile(path) else None

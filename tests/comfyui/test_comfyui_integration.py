@@ -44,11 +44,20 @@ MTP_FILE = "qwen35_08b_random_mtp.safetensors"        # mtp.* only
 BAD_MTP_FILE = "qwen35_bad_mtp.safetensors"           # mtp.* of the wrong width
 NOT_QWEN = "not_qwen35.safetensors"
 CLIP_L = "clip_l_stub.safetensors"  # core loads it as a CLIP-L (missing weights only warned): a non-Qwen3.5 CLIP
+SHIPPED_PE = ("qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors",
+              "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors")
+# The shipped API twins run unchanged on STOP_CKPT, placed under both shipped enhancer names: random
+# 0.8B weights (vision included) whose every step gives the stop token <|im_end|> a logit about 1 above
+# all others' (which tie), so a sampled generation ends after a few tokens at the official max_length.
+STOP_CKPT = "qwen35_08b_random_stops1_vl.safetensors"  # the name changes with the margin
+STOP_TOKEN, STOP_DIM, STOP_MARGIN = 248046, 0, 0.0625  # logit margin: normed h[STOP_DIM] (about 16) * 0.0625
+# The other tests edit the twins (short max_length, files of their own): names swapped by _api.
 SUBSTITUTE = {
-    "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors": TEXT_CKPT,
-    "qwen3.5_9b_qwen_image_2.1_pe_i2i.int8_convrot.safetensors": VL_CKPT,
-    "qwen3.5_9b_mtp_head.safetensors": MTP_FILE,
+    SHIPPED_PE[0]: TEXT_CKPT,
+    SHIPPED_PE[1]: VL_CKPT,
+    "download (base model of the same size)": MTP_FILE,
 }
+SHORT = 8  # max_length of the edited twins
 
 # Qwen3.5 0.8B text shapes (ComfyUI picks the size from hidden 1024).
 H, LAYERS, MLP, VOCAB = 1024, 24, 3584, 248320
@@ -109,6 +118,36 @@ def _text_tensors(torch, seed):
     return t
 
 
+def _stop_tensors(torch):
+    """STOP_CKPT's tensors: the residual stream stays the input token's embedding (every layer's
+    output projection scaled by 1e-3), every embedding row is 1 at STOP_DIM (the stop token's
+    1 + STOP_MARGIN) and the final norm keeps only STOP_DIM, so every logit ties but the stop token's."""
+    t = {**_text_tensors(torch, 1), **_vision_tensors(torch, 2)}
+    p = "model.language_model."
+    for k in t:
+        if k.startswith(p + "layers.") and k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            t[k] = t[k] * 1e-3
+    emb = t[p + "embed_tokens.weight"]
+    emb[:, STOP_DIM] = 1.0
+    emb[STOP_TOKEN, STOP_DIM] = 1.0 + STOP_MARGIN
+    norm = torch.full((H,), -1.0, dtype=torch.bfloat16)  # (1 + w) RMSNorm: 0 everywhere ...
+    norm[STOP_DIM] = 0.0  # ... but STOP_DIM
+    t[p + "norm.weight"] = norm
+    return t
+
+
+def _mtp_repo(torch) -> dict:
+    """Files of a sharded base repository whose index lists the 0.8B stand-in's mtp.* tensors."""
+    from qwen35_fast.downloads import model_fetch
+    from safetensors.torch import save
+
+    shard = "model-00001-of-00001.safetensors"
+    tensors = {k: v.contiguous() for k, v in _mtp_tensors(torch, 3).items()}
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())},
+             "weight_map": {k: shard for k in tensors}}
+    return {shard: save(tensors), model_fetch.INDEX_FILE: json.dumps(index).encode(), "config.json": b"{}"}
+
+
 def _vision_tensors(torch, seed):
     g = torch.Generator().manual_seed(seed)
     v = VISION
@@ -160,6 +199,7 @@ def _build_files(cache: Path) -> Path:
         BAD_MTP_FILE: lambda: _mtp_tensors(torch, 4, hidden=512),
         NOT_QWEN: lambda: {"encoder.block.0.layer.0.SelfAttention.k.weight": torch.zeros(8, 8)},
         CLIP_L: lambda: {"text_model.encoder.layers.0.mlp.fc1.weight": torch.zeros(3072, 768, dtype=torch.float16)},
+        STOP_CKPT: lambda: _stop_tensors(torch),
     }
     for name, make in jobs.items():
         path = cache / name
@@ -244,6 +284,9 @@ def _prompt_hub():
         hub.add_repo(repo, {model_fetch.PROMPT_FILE: (
             "You rewrite the user's image prompt. Think first, then answer with JSON "
             '{"rewritten_prompt": "...", "wh_ratio": "16:9"}.\n').encode()})
+    import torch
+
+    hub.add_repo(model_fetch.MTP_BASE_REPOS["0.8B"], _mtp_repo(torch))  # the shipped twins' head download
     return hub.start()
 
 
@@ -302,6 +345,8 @@ def server(tmp_path_factory):
     te.mkdir(parents=True)
     for f in cache.glob("*.safetensors"):
         (te / f.name).symlink_to(f)
+    for name in SHIPPED_PE:
+        (te / name).symlink_to(cache / STOP_CKPT)
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(ROOT)
     (base / "input").mkdir()
@@ -353,12 +398,20 @@ def running_comfyui(comfy: Path, base: Path, env: dict):
         log.close()
 
 
+def _shipped(name):
+    """An API twin exactly as shipped."""
+    return json.loads((API_DIR / name).read_text())
+
+
 def _api(name):
-    prompt = json.loads((API_DIR / name).read_text())
+    """An API twin edited for the tests that change it: the random files of their own, max_length SHORT."""
+    prompt = _shipped(name)
     for node in prompt.values():
         for k, v in node["inputs"].items():
             if isinstance(v, str) and v in SUBSTITUTE:
                 node["inputs"][k] = SUBSTITUTE[v]
+        if "max_length" in node["inputs"]:
+            node["inputs"]["max_length"] = SHORT
     return prompt
 
 
@@ -403,18 +456,22 @@ def test_api_workflows_match_object_info(server):
 
 
 def test_every_api_workflow_runs(server):
+    """Every API twin, unchanged (shipped file names, head download choice, official max_length),
+    on the random STOP_CKPT under the shipped names; the head and prompts come from the local Hub."""
     results = {}
     for path in sorted(API_DIR.glob("*.json")):
-        h = server.run(_api(path.name), timeout=420)
+        start = time.time()
+        h = server.run(_shipped(path.name), timeout=420)
         assert h["status"]["status_str"] == "success", (path.name, _error(h))
+        print(f"{path.name}: {time.time() - start:.1f} s as shipped")
         results[path.name] = texts = _texts(h)
         assert texts, f"{path.name} showed no text"
-        prompt = _api(path.name)
+        prompt = _shipped(path.name)
         for nid, node in prompt.items():
             if node["class_type"] == "PreviewAny":
                 src = node["inputs"]["source"]
-                may_be_empty = prompt[src[0]]["class_type"] == "Qwen35FastPromptEnhancer" and src[1] == 3
-                # ratio_follow (output 3) is empty when the answer has none, as random weights' answers do
+                may_be_empty = prompt[src[0]]["class_type"] == "Qwen35FastPromptEnhancer" and src[1] in (1, 3)
+                # thinking (1) and ratio_follow (3) are empty when the answer has none, as random weights' are
                 assert texts.get(nid) and all(isinstance(t, str) and (t or may_be_empty) for t in texts[nid]), \
                     (path.name, nid)
         for nid, node in prompt.items():
@@ -422,19 +479,18 @@ def test_every_api_workflow_runs(server):
                 continue
             shown = {src[1]: texts[k][0] for k, n in prompt.items() if n["class_type"] == "PreviewAny"
                      for src in [n["inputs"]["source"]] if src[0] == nid}
-            if node["inputs"]["thinking"] and node["inputs"]["max_length"] < 64 and 0 in shown:
-                # the short API budget ends inside the thinking block: the user's prompt comes back
+            if node["inputs"]["thinking"] and 0 in shown:
+                # random tokens then the stop token: no JSON answer, so the user's prompt comes back
                 assert shown[0] == node["inputs"]["prompt"], (path.name, shown)
-            if 1 in shown:
-                assert shown[1].strip(), f"{path.name}: no thinking text"
     # the workflows ask for the official system prompts: fetched once from the (local) Hub
     from qwen35_fast.downloads import model_fetch
 
-    enhanced = {n["inputs"]["preset"] for p in API_DIR.glob("*.json") for n in _api(p.name).values()
+    enhanced = {n["inputs"]["preset"] for p in API_DIR.glob("*.json") for n in _shipped(p.name).values()
                 if n["class_type"] == "Qwen35FastPromptEnhancer" and n["inputs"].get("system_prompt") == "official"}
     assert enhanced
     for preset in enhanced:
         assert server.hub.bytes_of(model_fetch.PROMPT_REPOS[preset], model_fetch.PROMPT_FILE) > 0, preset
+    assert server.hub.bytes_of(model_fetch.MTP_BASE_REPOS["0.8B"]) > 0  # the head, by range reads
     print(json.dumps(results, indent=1, ensure_ascii=False)[:3000])
 
 
@@ -444,8 +500,10 @@ def test_patched_greedy_equals_core_greedy(server):
     gen = next(n for n in prompt.values() if n["class_type"] == "TextGenerate")
     gen["inputs"]["sampling_mode"] = "off"
     gen["inputs"]["max_length"] = 6
-    patched = _texts(server.run(prompt))
     patch_id = next(k for k, n in prompt.items() if n["class_type"] == "Qwen35FastLengthAwarePatch")
+    patched = _texts(server.run(prompt))
+    # the patch node shows its status on itself: no head on a core Load CLIP, so MTP is off
+    assert patched.pop(patch_id)[0].startswith("MTP off: no head"), patched
     gen["inputs"]["clip"] = prompt[patch_id]["inputs"]["clip"]
     del prompt[patch_id]
     core = _texts(server.run(prompt))

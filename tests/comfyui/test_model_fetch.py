@@ -270,7 +270,8 @@ def test_extract_tool_ships_and_matches_the_download(hub, repo, tmp_path):
 
 def test_loader_download_choice_picks_the_base_repo_of_the_size(hub, repo, tmp_path, monkeypatch):
     files, sd = repo
-    assert mf.mtp_download_options()[0] == "download (Qwen/Qwen3.5-9B)"
+    assert mf.mtp_download_options()[:2] == [mf.DOWNLOAD_MATCHING, "download (Qwen/Qwen3.5-9B)"]
+    assert mf.is_download(mf.DOWNLOAD_MATCHING) and mf.download_repo(mf.DOWNLOAD_MATCHING) is None
     assert mf.download_repo("download (Qwen/Qwen3.5-4B)") == "Qwen/Qwen3.5-4B" and mf.download_repo("x") is None
     main = save({k: v for k, v in sd.items() if not k.startswith("mtp.")}, tmp_path / "main.safetensors")
     with pytest.raises(mf.FetchError, match="not one of the released Qwen3.5 sizes"):
@@ -280,3 +281,4 @@ def test_loader_download_choice_picks_the_base_repo_of_the_size(hub, repo, tmp_p
         mf.mtp_head_for("download (Qwen/Qwen3.5-4B)", main, str(tmp_path / "te"))
     path = mf.mtp_head_for("download (Qwen/Qwen3.5-9B)", main, str(tmp_path / "te"))
     assert set(load_file(path)) == {k for k in sd if k.startswith("mtp.")}
+    assert mf.mtp_head_for(mf.DOWNLOAD_MATCHING, main, str(tmp_path / "te")) == path  # the size's own repo

@@ -241,6 +241,22 @@ def test_entrypoint_lists_the_four_nodes():
     assert not hasattr(qwen35_fast, "NODE_CLASS_MAPPINGS")
 
 
+def test_user_errors_render_as_short_type_names():
+    """ComfyUI's execution.full_type_name (module + qualname) shows the pack's errors without the
+    pack folder's path once the entrypoint ran."""
+    from qwen35_fast import comfy_entrypoint
+    from qwen35_fast.downloads.hub_client import FetchError
+
+    asyncio.run(comfy_entrypoint())
+
+    def full_type_name(klass):  # ComfyUI 0.29.0's execution.full_type_name
+        return klass.__qualname__ if klass.__module__ == "builtins" else klass.__module__ + "." + klass.__qualname__
+
+    assert full_type_name(FetchError) == "qwen35_fast.FetchError"
+    for cls in extension.USER_ERRORS:
+        assert full_type_name(cls) == f"qwen35_fast.{cls.__name__}", cls
+
+
 def test_schemas_are_valid_and_complete():
     s = {cls.__name__: sch for cls, sch in schemas().items()}
     for sch in s.values():
@@ -285,6 +301,22 @@ def test_patch_node_refuses_non_qwen_and_leaves_clip_untouched():
         Qwen35LengthAwarePatch.execute(object(), mtp="auto")
     with pytest.raises(ValueError, match="mtp must be"):
         Qwen35LengthAwarePatch.execute(FakeCLIP(), mtp="7")
+
+
+def test_patch_node_shows_its_status_on_the_node(scripted):
+    """The patch node says on itself whether MTP runs: "MTP off: no head" (the fix named) without one."""
+    exec_utils.NODE_ID = "9"
+    try:
+        clip = FakeCLIP()
+        out = Qwen35LengthAwarePatch.execute(clip, mtp="auto")
+        shown = [t for nid, t in server.PromptServer.instance.texts if nid == "9"]
+        assert shown and shown[-1].startswith("MTP off: no head") and "Load Qwen3.5 CLIP (MTP)" in shown[-1]
+        assert out.ui["text"] == [shown[-1]]
+        clip.cond_stage_model.qwen35_test.transformer.model.mtp = torch.nn.Linear(2, 2)  # a grafted head
+        Qwen35LengthAwarePatch.execute(clip, mtp="auto")
+        assert server.PromptServer.instance.texts[-1] == ("9", "Length-aware decode on; MTP auto.")
+    finally:
+        exec_utils.NODE_ID = None
 
 
 def test_patch_routes_clone_through_engine_and_keeps_core_on_input(scripted):
@@ -587,9 +619,11 @@ def test_loader_offers_missing_enhancer_files_and_downloads_them(te_folder, monk
     name = "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"
     options = {i.id: i for i in Qwen35CLIPLoader.define_schema().inputs}
     assert name in options["clip_name"].options and "qwen.safetensors" in options["clip_name"].options
-    assert options["mtp_head"].default == "download (Qwen/Qwen3.5-9B)"
-    assert all(model_fetch.download_repo(o) or o == "none" or o in options["clip_name"].options
-               for o in options["mtp_head"].options)
+    assert options["mtp_head"].default == model_fetch.DOWNLOAD_MATCHING
+    assert "download (Qwen/Qwen3.5-9B)" in options["mtp_head"].options
+    # files are offered as heads only when their header has mtp.* tensors
+    files = [o for o in options["mtp_head"].options if not model_fetch.is_download(o) and o != "none"]
+    assert sorted(files) == ["head.safetensors", "qwen_with_mtp.safetensors"], files
     data = save({mtp_graft.QWEN35_MARKER: torch.zeros(2), "pad": torch.zeros(600_000)})  # a few MiB
     hub = FakeHub().start()
     try:

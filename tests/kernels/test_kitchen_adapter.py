@@ -83,6 +83,18 @@ def test_kitchen_without_a_usable_decode_says_why_once(fake_kitchen, caplog, fn,
     assert len(lines) == 1 and "unavailable" in lines[0], lines
 
 
+def test_kitchen_version_from_the_distribution_when_the_module_has_none(fake_kitchen, monkeypatch):
+    """comfy-kitchen 0.2.24 (ComfyUI 0.29.0's pin) has no ``__version__``: the installed
+    distribution's version is named, never "?"."""
+    from importlib import metadata
+
+    mod = fake_kitchen(None, "unused")
+    del mod.__version__
+    monkeypatch.setattr(metadata, "version", lambda name: "0.2.24" if name == "comfy-kitchen" else "")
+    why = ak.detect().note
+    assert "comfy-kitchen 0.2.24 has no flash_attention_decode_gqa" in why, why
+
+
 @pytest.mark.parametrize("form,fn", [(ak.POSITIONAL, _positional), (ak.CAUSAL, _with_causal)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("s", [1, 4])
