@@ -86,7 +86,8 @@ def copy_pieces(part: str, base: int, pieces: list[Piece], done: int, total: int
     """Append the data of ``pieces`` from data offset ``done`` to ``total`` to ``part`` (whose first
     ``base`` bytes are not data). A broken or mislabelled transfer is retried from the last byte
     written, up to ``retries`` times in a row without progress; an expired signed address is
-    resolved again once. ``on_block`` sees every data byte written, in order."""
+    resolved again once per position (refused again before a byte arrives: FetchError naming the
+    expired address). ``on_block`` sees every data byte written, in order."""
     failures = 0
     renewed: dict[str, int] = {}  # file -> data offset at its last renewal
     cursor = [done]               # data bytes written and accounted for
@@ -98,7 +99,9 @@ def copy_pieces(part: str, base: int, pieces: list[Piece], done: int, total: int
             if cursor[0] > before:
                 failures = 0
             name = getattr(exc, "filename", None)
-            if isinstance(exc, Expired) and renewed.get(name, -1) < cursor[0]:
+            if isinstance(exc, Expired):
+                if renewed.get(name, -1) >= cursor[0]:
+                    raise _still_expired(exc, what, part) from exc
                 renewed[name] = cursor[0]
                 _renew(pieces, exc)
                 continue
@@ -155,6 +158,14 @@ def _renew(pieces: list[Piece], exc: Expired) -> None:
             fresh[old.filename] = new
         piece.remote = fresh[old.filename]
     log.info("Download address expired (%s); resolved it again", exc)
+
+
+def _still_expired(exc: Expired, what: str, part: str) -> FetchError:
+    """The error for a signed address refused again right after it was resolved afresh."""
+    return FetchError(f"The download of {what} was refused by the signed download address the Hub redirected to "
+                      f"({exc}), again right after it was resolved afresh: the address expires before it can be "
+                      "used. Check this machine's clock and any proxy between it and the Hub, then run again "
+                      f"(what was downloaded is kept in {os.path.basename(part)}).")
 
 
 def _pause(seconds: float, check: Check | None) -> None:

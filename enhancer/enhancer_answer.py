@@ -49,7 +49,8 @@ def split_thinking(text: str) -> tuple[str, str]:
     first ``</think>`` ends it. A leading ``<think>`` is dropped. Without ``</think>``: a text that
     opened with ``<think>`` is all (unfinished) thinking; a text with no tag at all is returned as
     the answer, so a JSON object at its end can still be found. Trailing ``<|im_end|>`` /
-    ``<|endoftext|>`` markers are removed.
+    ``<|endoftext|>`` markers are removed. Logs no warning for an unfinished block: the caller says
+    why and what to do (``prompt_enhancer.finish_answer``: raise max_length).
     """
     if not isinstance(text, str):
         raise ValueError(f"split_thinking: text must be a str, got {type(text).__name__}")
@@ -68,7 +69,7 @@ def split_thinking(text: str) -> tuple[str, str]:
     if sep:
         return head.strip(), tail.strip()
     if opened:
-        log.warning("split_thinking: thinking never ended (no %s); the answer is empty", THINK_CLOSE)
+        log.debug("split_thinking: thinking never ended (no %s); the answer is empty", THINK_CLOSE)
         return body.strip(), ""
     return "", body.strip()
 
@@ -301,7 +302,8 @@ def parse_answer(answer: str) -> PEResult:
 
     Uses the last JSON object that carries ``rewritten_prompt`` (or the misspelled
     ``rewrited_prompt``), fenced or not, valid or leniently repaired, even if truncated; then a
-    regex salvage of the prompt string; else the stripped answer with ``parse_ok=False``.
+    regex salvage of the prompt string; else the stripped answer with ``parse_ok=False`` (a warning,
+    except for an empty answer, which its caller explains).
     """
     if not isinstance(answer, str):
         raise ValueError(f"parse_answer: answer must be a str, got {type(answer).__name__}")
@@ -323,7 +325,8 @@ def parse_answer(answer: str) -> PEResult:
     if prompt and prompt.strip():
         log.warning("parse_answer: no readable JSON object; salvaged the prompt string after its key")
         return PEResult(prompt.strip(), ratio, None, True, answer)
-    log.warning("parse_answer: no rewritten prompt found in the answer; using the raw answer")
+    if answer.strip():  # an empty answer is the caller's to explain (its cause: the budget ran out)
+        log.warning("parse_answer: no rewritten prompt found in the answer; using the raw answer")
     return PEResult(answer.strip(), None, None, False, answer)
 
 

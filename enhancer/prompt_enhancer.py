@@ -172,13 +172,14 @@ def finish_answer(text_out: str, prompt: str, *, thinking: bool, image_list: lis
         # The token budget ended inside the thinking block (or the answer was empty): never hand an
         # empty prompt to the image model; fall back to the user's own prompt and say so.
         unfinished = thinking and "</think>" not in text_out
-        why = (f"the model was still thinking when max_length ({max_length} tokens) ran out"
+        # One warning for this cause (split_thinking and parse_answer stay quiet on it), advice first, one line.
+        why = (f"the model was still thinking when its {max_length} tokens ran out"
                if unfinished else "the model gave an empty answer")
-        message = (f"Qwen3.5 prompt enhancer: {why}; using your own prompt unchanged (parse_ok False). "
-                   "Raise max_length (official: 16256 text-to-image, 24000 edit) for an enhanced prompt.")
-        log.warning("%s", message)
+        message = (f"Raise max_length (official: 16256 text-to-image, 24000 edit): {why}, so your own prompt "
+                   "was used unchanged (parse_ok False).")
+        log.warning("Qwen3.5 prompt enhancer: %s", message)
+        if getattr(stats, "tok_per_s", None) is not None:  # keep the run's stats line on the node too
+            message += f"\n[{bridge.format_stats('Qwen3.5 prompt enhancer', stats)}]"
         bridge.show_warning(message)
         rewritten, parse_ok = prompt.strip(), False
-    elif not parse_ok:
-        log.warning("Qwen3.5 prompt enhancer: the answer had no usable JSON; returning the raw answer")
     return EnhancerResult(rewritten, thinking_text, ratio, follow, int(width), int(height), parse_ok, text_out, stats)

@@ -8,6 +8,8 @@ from ..enhancer.enhancer_images import MAX_IMAGES
 from ..enhancer.prompt_enhancer import MAX_LENGTH_LIMIT, OFFICIAL, PRESET_NAMES, enhance
 from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
 
+CUSTOM_ONLY = "Used only with preset 'custom'; the other presets ignore it and use the official value: "
+
 
 class Qwen35PromptEnhancer(io.ComfyNode):
     @classmethod
@@ -31,7 +33,8 @@ class Qwen35PromptEnhancer(io.ComfyNode):
                 io.Combo.Input("preset", options=list(PRESET_NAMES), default="text-to-image",
                                tooltip="Official sampling settings (text-to-image: presence penalty "
                                        "1.5; edit: 0; both temperature 1, top_p 0.95, top_k 20). "
-                                       "'custom' uses the advanced inputs below."),
+                                       "'custom' uses the advanced 'custom: ...' inputs, which every "
+                                       "other preset ignores."),
                 io.Int.Input("max_length", default=16256, min=1, max=MAX_LENGTH_LIMIT,
                              tooltip="Most new tokens (official: 16256 text-to-image, 24000 edit). "
                                      "Speed does not depend on it."),
@@ -46,16 +49,21 @@ class Qwen35PromptEnhancer(io.ComfyNode):
                                  tooltip=f"Input image {k} for edit mode, <image{k}> in the prompt; any size "
                                          "(capped at 1 MP). Needs the _i2i enhancer file.")
                   for k in range(1, MAX_IMAGES + 1)],
-                io.Float.Input("temperature", default=1.0, min=0.0, max=2.0, step=0.01, optional=True,
-                               advanced=True, tooltip="Used with preset 'custom' only."),
-                io.Int.Input("top_k", default=20, min=0, max=1000, optional=True, advanced=True,
-                             tooltip="Used with preset 'custom' only."),
-                io.Float.Input("top_p", default=0.95, min=0.0, max=1.0, step=0.01, optional=True,
-                               advanced=True, tooltip="Used with preset 'custom' only."),
-                io.Float.Input("min_p", default=0.0, min=0.0, max=1.0, step=0.01, optional=True,
-                               advanced=True, tooltip="Used with preset 'custom' only."),
-                io.Float.Input("presence_penalty", default=1.5, min=0.0, max=5.0, step=0.01, optional=True,
-                               advanced=True, tooltip="Used with preset 'custom' only."),
+                # Flat, advanced (hidden until the node's advanced inputs are shown) and marked "custom",
+                # not a DynamicCombo under preset: frontend 1.47.10 (ComfyUI 0.29.0) loads widgets_values
+                # by position (LGraphNode.configure; migrateWidgetsValues only drops forceInput values), so
+                # removing these five from the middle would shift saved workflows' values onto attention.
+                io.Float.Input("temperature", display_name="custom: temperature", default=1.0, min=0.0, max=2.0,
+                               step=0.01, optional=True, advanced=True, tooltip=CUSTOM_ONLY + "1."),
+                io.Int.Input("top_k", display_name="custom: top_k", default=20, min=0, max=1000, optional=True,
+                             advanced=True, tooltip=CUSTOM_ONLY + "20."),
+                io.Float.Input("top_p", display_name="custom: top_p", default=0.95, min=0.0, max=1.0, step=0.01,
+                               optional=True, advanced=True, tooltip=CUSTOM_ONLY + "0.95."),
+                io.Float.Input("min_p", display_name="custom: min_p", default=0.0, min=0.0, max=1.0, step=0.01,
+                               optional=True, advanced=True, tooltip=CUSTOM_ONLY + "0."),
+                io.Float.Input("presence_penalty", display_name="custom: presence_penalty", default=1.5, min=0.0,
+                               max=5.0, step=0.01, optional=True, advanced=True,
+                               tooltip=CUSTOM_ONLY + "1.5 text-to-image, 0 edit."),
                 io.Combo.Input("attention", options=list(ATTENTION_CHOICES), default="auto", optional=True,
                                advanced=True, tooltip="Decode attention backend."),
             ],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..patches.clip_patch import patch_clip, patch_status
-from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES, show_status
+from ..patches.clip_patch import patch_clip, patch_status, report_runs_to
+from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES, executing_node_id, show_status
 
 
 class Qwen35LengthAwarePatch(io.ComfyNode):
@@ -39,4 +39,5 @@ class Qwen35LengthAwarePatch(io.ComfyNode):
         patched = patch_clip(clip, mtp=mtp, attention=attention)
         status = patch_status(patched, mtp)
         show_status(status)  # on the node, e.g. "MTP off: no head. ..."
+        report_runs_to(patched, executing_node_id(), status)  # each later run's stats line, on this node
         return io.NodeOutput(patched, ui={"text": [status]})

@@ -31,7 +31,8 @@ class LoadResult:
 
 def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str = "default",
                      embedding_directory=None) -> LoadResult:
-    """Load ``clip_path`` (must be Qwen3.5) and graft ``mtp.*`` from it or from ``mtp_path``."""
+    """Load ``clip_path`` (must be Qwen3.5) and graft ``mtp.*`` from it or from ``mtp_path``; the
+    ``mtp_path`` header is checked (``mtp_graft.check_head_header``) before ``comfy.sd.load_clip`` runs."""
     import comfy.sd
 
     name = os.path.basename(clip_path)
@@ -42,14 +43,8 @@ def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str
             "encoder such as qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors; other text "
             "encoders load with core 'Load CLIP'.")
     main_has_mtp = any(k.startswith(mtp_graft.MTP_PREFIXES) for k in keys)
-    if mtp_path is not None:
-        mtp_keys = mtp_graft.file_keys(mtp_path)
-        if not any(k.startswith(mtp_graft.MTP_PREFIXES) for k in mtp_keys):
-            raise mtp_graft.MTPHeadError(
-                f"{os.path.basename(mtp_path)} has no mtp.* tensors. Use a file holding the MTP head of "
-                "Qwen/Qwen3.5-9B (pick 'download (Qwen/Qwen3.5-9B)', or make one with the pack's "
-                "tools/extract_mtp_head.py), "
-                f"or set mtp_head to '{NO_MTP_FILE}'.")
+    if mtp_path is not None:  # a wrong head fails here, in seconds, not after the main checkpoint loaded
+        mtp_graft.check_head_header(mtp_path, clip_path)
 
     model_options = {}
     if device == "cpu":

@@ -70,15 +70,30 @@ class _EngineGenerate:
         self.target = target
         self.settings = settings
         self.tokenizer = tokenizer
+        self.report_to: tuple[str, str] | None = None  # (patch node id, its status line): see report_runs_to
 
     entry = "generate"
 
     def _run(self, embeds, position_ids, caller_kwargs: dict, **sampling):
         mtp = _caller_mtp(self.settings.mtp, caller_kwargs.pop("mtp", None))
         _refuse_unknown(self.entry, caller_kwargs)
-        return bridge.run_engine(
+        tokens = bridge.run_engine(
             self.target, embeds, mtp=mtp, attention=self.settings.attention, position_ids=position_ids,
             decode=_decoder(self.tokenizer), label="Qwen3.5 length-aware generate", **sampling)
+        if self.report_to is not None and self.report_to[0] != bridge.executing_node_id():
+            node_id, status = self.report_to
+            bridge.show_status(f"{bridge.format_stats('Last run', tokens.stats, tokens.stop_reason)}\n{status}",
+                               node_id)
+        return tokens
+
+
+def report_runs_to(patched, node_id: str | None, status: str) -> None:
+    """After each generation on ``patched`` (a ``patch_clip`` result) run by ANOTHER node (core Generate
+    Text), show under node ``node_id`` (the patch node, which returned before the run) the run's stats
+    line (tokens, tok/s, MTP acceptance) first, then ``status``. ``node_id`` None: nothing is shown."""
+    for patch in getattr(getattr(patched, "patcher", None), "object_patches", {}).values():
+        if isinstance(patch, _EngineGenerate):
+            patch.report_to = None if node_id is None else (str(node_id), status)
 
 
 class TokensGenerate(_EngineGenerate):

@@ -230,9 +230,9 @@ def _send_text(text: str, node_id: str | None) -> bool:
     return True
 
 
-def show_status(text: str) -> bool:
-    """Show ``text`` under the executing node (progress text), where this ComfyUI can."""
-    return _send_text(text, executing_node_id())
+def show_status(text: str, node_id: str | None = None) -> bool:
+    """Show ``text`` under node ``node_id`` (default: the executing node) as progress text, where it can."""
+    return _send_text(text, node_id or executing_node_id())
 
 
 def show_warning(text: str) -> bool:
@@ -274,11 +274,11 @@ class Progress:
         comfy.model_management.throw_exception_if_processing_interrupted()
 
     def finish(self, token_ids: list[int], status: str | None = None) -> None:
-        """Final preview with the whole text (not throttled), then ``status`` (the generation's
-        stats line) under it."""
-        if self.decode is not None:
-            text = self.decode(list(token_ids))
-            _send_text(f"{text}\n\n[{status}]" if status else text, self.node_id)
+        """Final text under the node: ``status`` (the stats line: tokens, tok/s, MTP acceptance) FIRST,
+        where the node's two-line preview shows it, then the whole generated text (not throttled)."""
+        text = self.decode(list(token_ids)) if self.decode is not None else ""
+        if status or text:
+            _send_text(f"[{status}]\n{text}".rstrip() if status else text, self.node_id)
 
 
 # ---------------------------------------------------------------------------------------------

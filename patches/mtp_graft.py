@@ -11,6 +11,7 @@ MTP loop): the binding finds it there, and a chosen head file is loaded into tha
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 
 from ..engine import Qwen35Error, bind, build_mtp_head
@@ -35,6 +36,58 @@ def file_keys(path: str) -> list[str]:
             return list(f.keys())
     except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file for the user
         raise MTPHeadError(f"Cannot read {path!r} as safetensors ({exc}). Re-download the file.") from exc
+
+
+_QUANT_WEIGHT_DTYPES = ("I8", "F8_E4M3", "F8_E5M2")  # a weight quantized the ComfyUI way (``.comfy_quant``)
+
+
+def check_head_header(mtp_path: str, main_path: str) -> None:
+    """Before the main checkpoint loads: MTPHeadError naming ``mtp_path`` and the fix unless its header
+    alone (no tensor data read) is a valid safetensors header with ``mtp.*`` tensors (``model.mtp.``
+    folded) in float dtypes (a layer quantized the ComfyUI way: int8 / fp8 weight beside its
+    ``.comfy_quant`` marker) and, when the text encoder's size can be told from ``main_path``'s header,
+    exactly the names and shapes of that size's head. Values (NaN / inf) are checked when read."""
+    from ..downloads.head_check import FLOAT_DTYPES
+    from ..downloads.hub_client import FetchError
+    from ..downloads.safetensors_header import local_header, tensor_shapes
+    from ..engine import Qwen35Config
+
+    name, main = os.path.basename(mtp_path), os.path.basename(main_path)
+    fix = ("Pick the MTP head of the same Qwen3.5 size (for the 9B prompt enhancer: 'download (Qwen/Qwen3.5-9B)', "
+           "or make one with the pack's tools/extract_mtp_head.py), or set mtp_head to 'none'.")
+    try:
+        header = local_header(mtp_path)
+    except FetchError as exc:
+        raise MTPHeadError(f"The MTP head file {name} cannot be read: {exc} {fix}") from exc
+    head = {"mtp." + k[len(p):]: v for k, v in header.items() for p in MTP_PREFIXES if k.startswith(p)}
+    if not head:
+        raise MTPHeadError(f"{name} has no mtp.* tensors. Use a file holding the MTP head of Qwen/Qwen3.5-9B "
+                           "(pick 'download (Qwen/Qwen3.5-9B)', or make one with the pack's "
+                           "tools/extract_mtp_head.py), or set mtp_head to 'none'.")
+    quantized = {k[: -len("comfy_quant")] for k in head if k.endswith(".comfy_quant")}
+    dense = {}
+    for key, entry in head.items():
+        layer = key.rsplit(".", 1)[0] + "."
+        if layer in quantized and key.endswith(_QUANT_AUX):
+            continue
+        dense[key] = tuple(int(s) for s in entry["shape"])
+        allowed = FLOAT_DTYPES + (_QUANT_WEIGHT_DTYPES if layer in quantized else ())
+        if entry["dtype"] not in allowed:
+            raise MTPHeadError(f"{name}: {key} is stored as {entry['dtype']}, not a float dtype "
+                               f"({', '.join(FLOAT_DTYPES)}); the file is not an MTP head. {fix}")
+    try:
+        want = Qwen35Config.from_state_dict(tensor_shapes(local_header(main_path))).mtp_shapes()
+    except (FetchError, Qwen35Error, KeyError, ValueError) as exc:
+        log.info("%s: the model size cannot be told from its header (%s); %s is checked after loading", main, exc,
+                 name)
+        return
+    bad = [f"{k} is missing" for k in want if k not in dense]
+    bad += [f"{k} has shape {dense[k]}, the model needs {tuple(s)}" for k, s in want.items()
+            if k in dense and dense[k] != tuple(s)]
+    bad += [f"{k} is not part of this model's head" for k in dense if k not in want]
+    if bad:
+        raise MTPHeadError(f"The MTP head in {name} does not fit {main} (checked from the headers, before loading): "
+                           f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") + f". {fix}")
 
 
 def is_qwen35_file(keys: Iterable[str]) -> bool:

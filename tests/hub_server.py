@@ -7,19 +7,24 @@ port) in a thread; tests point ``HF_ENDPOINT`` at it, so the real client does th
 It counts the body bytes served per file and misbehaves on request, per file: cut one response
 short (a broken connection), serve other bytes than asked under an honest ``Content-Range`` (a
 mirror off by some bytes), change one byte of a body (damage in transit), stall a body until
-released (a dead connection), or pause before each body (a slow link).
+released (a dead connection), or pause before each body (a slow link). A file can also be served
+the way the Hub serves LFS files from its CDN: ``resolve`` answers 302 with a signed address on
+another origin (``localhost`` instead of ``127.0.0.1``), and each signed address serves a limited
+number of GETs before it answers 403 (expired); every resolve hands out a fresh one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+_CDN = re.compile(r"^/_cdn/(?P<token>[0-9a-f]+)/(?P<repo>[^/]+/[^/]+)/(?P<path>.+)$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 LARGE = (".safetensors", ".bin")  # served as LFS files, as the Hub does
 
@@ -38,6 +43,10 @@ class FakeHub:
         self.stalled = threading.Event()       # ...sets this...
         self.release = threading.Event()       # ...and sends nothing more until this is set (then closes)
         self.pause: dict[tuple, float] = {}    # (repo, path) -> seconds to wait before each GET body
+        self.signed: dict[tuple, list] = {}    # (repo, path) -> GETs each signed address serves, in the
+        #                                        order they are handed out (the last repeats); 0: expired
+        self.tokens: dict[str, int] = {}       # signed address token -> GETs it still serves
+        self.expired = 0                       # 403s answered for expired signed addresses
         self._server = None
         self._thread = None
 
@@ -104,10 +113,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, body: bool):
         fake = self.fake
-        m = _RESOLVE.match(self.path.split("?")[0])
+        cdn = _CDN.match(self.path.split("?")[0])
+        m = cdn or _RESOLVE.match(self.path.split("?")[0])
         if not m:
             return self._send(404, {"X-Error-Code": "RepoNotFound"}, b"not found", body)
-        repo, rev, path = m["repo"], m["rev"], m["path"]
+        repo, rev, path = m["repo"], ("main" if cdn else m["rev"]), m["path"]
+        if cdn:  # a signed address: valid for its number of GETs, then 403 as a CDN answers
+            left = fake.tokens.get(cdn["token"], 0)
+            if left <= 0:
+                fake.expired += 1
+                return self._send(403, {"Content-Type": "application/xml"}, b"<Error>AccessDenied: expired</Error>",
+                                  body)
+            fake.tokens[cdn["token"]] = left - 1 if body else left
         fake.requests.append((self.command, repo, path, self.headers.get("Range"),
                               self.headers.get("Authorization")))
         if repo not in fake.repos:
@@ -127,6 +144,13 @@ class _Handler(BaseHTTPRequestHandler):
             headers.update({"ETag": f'"{digest}"', "X-Linked-Etag": f'"{digest}"', "X-Linked-Size": str(len(data))})
         else:
             headers["ETag"] = f'"{hashlib.sha1(data).hexdigest()}"'
+        if (repo, path) in fake.signed and not cdn:  # the Hub's redirect to a fresh signed CDN address
+            budgets = fake.signed[(repo, path)]
+            token = secrets.token_hex(8)
+            fake.tokens[token] = budgets.pop(0) if len(budgets) > 1 else budgets[0]
+            port = fake._server.server_address[1]
+            location = f"http://localhost:{port}/_cdn/{token}/{repo}/{path}"
+            return self._send(302, {**headers, "Location": location}, b"", body)
         start, end = 0, len(data)
         code = 200
         rng = self.headers.get("Range")

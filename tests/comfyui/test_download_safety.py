@@ -1,14 +1,15 @@
 """Downloads never leave a corrupt or half-written file: the real ``huggingface_hub`` client against the
 local hub server misbehaving on purpose (wrong Content-Range, damaged bytes, a stalled connection),
 bad head files already in place, NaN heads on the Hub, two threads and two processes fetching one
-head, Cancel then resume (also with the oldest huggingface_hub ComfyUI 0.29.0 pulls in), a symlink at
-the ``.part`` path and a ``../`` shard name.
+head, an expired signed CDN address, Cancel then resume (also with the oldest huggingface_hub ComfyUI
+0.29.0 pulls in), a symlink at the ``.part`` path and a ``../`` shard name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -81,6 +82,28 @@ def test_damaged_bytes_with_the_right_content_range_fail_the_sha256(hub, pe_data
         mf.fetch_pe_file(PE_NAME, str(dest))
     assert left_behind(dest) == []
     assert Path(mf.fetch_pe_file(PE_NAME, str(dest))).read_bytes() == pe_data
+
+
+def test_an_expired_signed_address_is_resolved_again_once(hub, pe_data, tmp_path, small_chunks, caplog):
+    hub.signed[(mf.PE_REPO, PE_PATH)] = [3, 1000]  # the first CDN address expires after 3 range reads
+    with caplog.at_level(logging.INFO, logger=transfer.__name__):
+        path = mf.fetch_pe_file(PE_NAME, str(tmp_path / "te"))
+    assert Path(path).read_bytes() == pe_data and left_behind(tmp_path / "te") == [PE_NAME]  # sha256-checked
+    assert hub.expired == 1 and hub.bytes_of(mf.PE_REPO) == len(pe_data)  # nothing fetched twice
+    assert sum("resolved it again" in r.getMessage() for r in caplog.records) == 1
+    assert all(r[4] is None for r in hub.requests if r[0] == "GET")  # no token sent to the CDN
+
+
+def test_a_signed_address_that_stays_expired_names_the_cause(hub, pe_data, tmp_path, small_chunks):
+    key = (mf.PE_REPO, PE_PATH)
+    hub.signed[key] = [2, 0]  # expires after 2 range reads; every fresh address is expired already
+    dest = tmp_path / "te"
+    with pytest.raises(mf.FetchError, match="signed download address.*HTTP 403.*expires before it can be used") as err:
+        mf.fetch_pe_file(PE_NAME, str(dest))
+    assert "terms" not in str(err.value) and hub.expired == 2  # resolved again once, then the cause named
+    hub.signed[key] = [1000]
+    assert Path(mf.fetch_pe_file(PE_NAME, str(dest))).read_bytes() == pe_data  # the next run resumes
+    assert hub.bytes_of(mf.PE_REPO) == len(pe_data)
 
 
 def _rewrite(path: Path, edit, record: bool = True) -> None:

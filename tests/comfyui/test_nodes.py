@@ -10,6 +10,7 @@ Cancel) independently of the engine, which has its own oracle tests.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -446,6 +447,62 @@ def test_enhancer_budget_ends_while_thinking_falls_back_to_user_prompt(scripted,
     assert width > 0 and height > 0
     assert any("still thinking" in r.getMessage() and "max_length" in r.getMessage() for r in caplog.records)
     assert any("still thinking" in text for _, text in server.PromptServer.instance.texts)
+
+
+def with_mtp_stats(eng):
+    """``eng`` (a ScriptedEngine) whose results report MTP depth 2 with 7 of 10 drafts accepted."""
+    def run(module, embeds, **kw):
+        res = eng(module, embeds, **kw)
+        res.stats.mtp_depth, res.stats.drafted, res.stats.accepted, res.stats.acceptance_rate = 2, 10, 7, 0.7
+        return res
+    return run
+
+
+def test_a_truncated_enhancer_run_warns_once_advice_first_and_keeps_its_stats_on_the_node(scripted, caplog,
+                                                                                          monkeypatch):
+    """One warning for one cause (the budget ran out while thinking), its first words the fix; the
+    node's text keeps that warning on ONE first line and the run's stats (tok/s, acceptance) under it."""
+    monkeypatch.setattr(bridge, "generate", with_mtp_stats(scripted("The user wants a fox. Let me think and")))
+    exec_utils.NODE_ID = "7"
+    with caplog.at_level("WARNING"):
+        run_pe(FakeCLIP(), max_length=400)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "Raise max_length" in warned[0], warned
+    last = server.PromptServer.instance.texts[-1]
+    first, *rest = last[1].split("\n")
+    assert last[0] == "7" and first.startswith("Warning: Raise max_length") and "still thinking" in first
+    assert len(rest) == 1 and "tok/s" in rest[0] and "acceptance 70.0%" in rest[0]
+
+
+def test_the_enhancer_node_shows_the_stats_line_first(scripted, monkeypatch):
+    """After a run the enhancer's node text starts with tokens, tok/s and MTP acceptance (the node
+    shows its first lines), the generated text under it."""
+    monkeypatch.setattr(bridge, "generate", with_mtp_stats(scripted(ANSWER)))
+    exec_utils.NODE_ID = "7"
+    run_pe(FakeCLIP())
+    node_id, text = server.PromptServer.instance.texts[-1]
+    first = text.split("\n")[0]
+    assert node_id == "7" and first.startswith("[Qwen3.5 length-aware generate: ")
+    assert "tokens" in first and "tok/s" in first and "acceptance 70.0% (7/10 drafts)" in first
+    assert "The user wants a fox." in text
+
+
+def test_the_patch_node_shows_the_stats_of_the_run_generate_text_made(scripted, monkeypatch):
+    """The patch node returns before the generation (core Generate Text runs it later): after that run
+    its own text gives the run's tokens, tok/s and MTP acceptance first, then its status."""
+    monkeypatch.setattr(bridge, "generate", with_mtp_stats(scripted("hello")))
+    exec_utils.NODE_ID = "9"  # the patch node
+    clip = FakeCLIP()
+    clip.cond_stage_model.qwen35_test.transformer.model.mtp = torch.nn.Linear(2, 2)  # a grafted head
+    patched = Qwen35LengthAwarePatch.execute(clip, mtp="2").args[0]
+    exec_utils.NODE_ID = "12"  # core Generate Text
+    patched.generate(patched.tokenize("hi"), max_length=20)
+    on_patch = [t for nid, t in server.PromptServer.instance.texts if nid == "9"]
+    first, status = on_patch[-1].split("\n")
+    assert first.startswith("Last run: ") and "tok/s" in first and "acceptance 70.0%" in first
+    assert status == "Length-aware decode on; MTP 2."
+    on_generate = [t for nid, t in server.PromptServer.instance.texts if nid == "12"]
+    assert on_generate[-1].startswith("[Qwen3.5 length-aware generate: ")
 
 
 def test_enhancer_edit_mode_passes_images_and_positions(scripted):
