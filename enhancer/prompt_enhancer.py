@@ -178,7 +178,7 @@ def finish_answer(text_out: str, prompt: str, *, thinking: bool, image_list: lis
         message = (f"Raise max_length (official: 16256 text-to-image, 24000 edit): {why}, so your own prompt "
                    "was used unchanged (parse_ok False).")
         log.warning("Qwen3.5 prompt enhancer: %s", message)
-        if getattr(stats, "tok_per_s", None) is not None:  # keep the run's stats line on the node too
+        if getattr(stats, "steps", None) is not None:  # the local engine's stats: keep its line on the node too
             message += f"\n[{bridge.format_stats('Qwen3.5 prompt enhancer', stats)}]"
         bridge.show_warning(message)
         rewritten, parse_ok = prompt.strip(), False
