@@ -9,7 +9,8 @@ large margin) and the prompt enhancer's text-to-image sampling (temperature 1, t
 0.95, presence penalty 1.5), where the decisive model still draws the reference token nearly
 always; each row records the acceptance it really got. Rows per mode and P, interleaved: off,
 depth 1..5, auto (its cost book warm from the earlier rows, as in a ComfyUI process that has
-generated before); decode tok/s from the 8th token (``TokenClock``).
+generated before), after one short untimed generation of each per mode (Triton compiles each
+depth's kernels on first use); decode tok/s from the 8th token (``TokenClock``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, max_length: int, 
     rows = []
     for mode, kw in modes.items():
         reference = generate(target.transformer, embeds, max_length=tokens + 16, mtp="off", **bind, **kw).tokens
+        for mtp in KINDS[1:]:  # untimed: each depth's kernels compiled (comfy_e2e reports first use)
+            generate(target.transformer, embeds, max_length=48, mtp=mtp,
+                     mtp_draft=acceptance_hook(reference, 0.5, vocab=vocab, seed=1), **bind, **kw)
         for p in ps:
             for _ in range(repeat):
                 for mtp in KINDS:

@@ -1,21 +1,24 @@
 """Tune the decode kernels' launch settings for this GPU and write ``kernels/tuned/<device>.json`` (GPU).
 
-1. **Sweep**: each GEMV launch of a Qwen3.5 decode step (``--size``; int8 and bf16 weights, 1 and 4
-   rows: decode and an MTP-3 verify), timed one launch at a time over
-   candidate settings that fit this GPU's shared memory (``kernels/fallback.gemv_shared``), medians
-   of CUDA-graph replays over weight copies larger than L2. The ``--keep`` fastest are the shortlist.
+1. **Sweep**: each GEMV launch of a Qwen3.5 decode step (``--size``; the weight formats of
+   ``--formats``: int8 and bf16 by default, ``w4a4`` / ``nvfp4`` for 4-bit files (their weights made
+   by comfy-kitchen's quantizers); 1 and 4 rows: decode and an MTP-3 verify), timed one launch at a
+   time over candidate settings that fit this GPU's shared memory (``kernels/fallback``'s
+   estimates), medians of CUDA-graph replays over weight copies larger than L2. The ``--keep``
+   fastest are the shortlist.
 2. **Confirm in the step** (``--comfyui TREE``): a setting that wins one launch can lose inside the
    whole step. Each shortlisted setting that beat the current pick becomes a one-entry variant
    table, and ``benchmarks/comfy_e2e.py --variants`` times them all in one process, interleaved, on
-   the int8 file in ComfyUI (``--repeat`` times); a variant is taken when its median beats the
-   current table's by more than ``--margin``. Without ``--comfyui`` the table holds the launch
-   sweep's winners and says so in its provenance.
+   the file of its format in ComfyUI (int8 for int8 and bf16 launches; ``--repeat`` times); a
+   variant is taken when its median beats the current table's by more than ``--margin``. Without
+   ``--comfyui`` the table holds the launch sweep's winners and says so in its provenance.
 3. **Write** the table: the current picks for every launch of the step, the taken ones replaced, with
    provenance (GPU, Triton, date, the result files). Send it to us to ship it for your GPU. The
    DeltaNet step, the attention and the L2 prefetch keep their current settings (a table may set
    them by hand: ``kernels/launch.py``).
 
-Usage: python benchmarks/tune.py [--comfyui /path/to/ComfyUI] [--size 9b] [--quick] [--out kernels/tuned]
+Usage: python benchmarks/tune.py [--comfyui /path/to/ComfyUI] [--size 9b] [--formats int8 bf16 w4a4 nvfp4]
+       [--quick] [--out kernels/tuned]
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ SIZES = {"0.8b": (1024, 3584, 16, 16, 8, 2, 248320), "2b": (2048, 6144, 16, 16, 
          "4b": (2560, 9216, 16, 32, 16, 4, 248320), "9b": (4096, 12288, 16, 32, 16, 4, 248320),
          "27b": (5120, 17408, 16, 48, 24, 4, 248320)}
 BLOCK_NS, BLOCK_KS, WARPS, STAGES = (32, 64, 128), (128, 256, 512), (2, 4, 8), (2, 3, 4, 5)
+#: ``--formats`` name -> the launch tables' kind of its GEMV entries
+KINDS = {"int8": "quant", "bf16": "float", "w4a4": "w4a4", "nvfp4": "nvfp4"}
+#: table kind -> the 4-bit format name of ``kernels/gemv4.py``
+FOUR_BIT = {"w4a4": "convrot_w4a4", "nvfp4": "nvfp4"}
+#: table kind -> the file format ``comfy_e2e.py`` confirms its entries on
+CONFIRM_ON = {"quant": "int8", "float": "int8", "w4a4": "w4a4", "nvfp4": "nvfp4"}
 
 
 def launches(size: str) -> list[tuple[str, int, int, list[int], bool]]:
@@ -72,31 +81,76 @@ def candidates(n: int, k: int, quant: bool, weights: int, shared: int, quick: bo
     return out
 
 
-def sweep_gemv(size: str, quant: bool, rows: int, keep: int, quick: bool, record) -> list[dict]:
-    """Per launch: the current pick's time and the ``keep`` fastest (config, split) with theirs."""
+def candidates4(k: int, weights: int, shared: int, quick: bool) -> list[tuple[int, ...]]:
+    """4-bit launch configs to time (BLOCK_K in weight columns, at most 512: wider tiles spill)."""
+    out = []
+    for bn in (32, 64) if quick else (16, 32, 64):
+        for bk in (128, 256, 512):
+            for warps in (4,) if quick else (2, 4, 8):
+                for stages in (2, 3, 4):
+                    if bk <= max(64, k) and weights * max(1, stages - 1) * (bn * bk // 2 + 32 * bk) <= shared:
+                        out.append((bn, bk, warps, stages))
+    return out
+
+
+def _operands(kind: str, ns: list[int], k: int, gen):
+    """(make one copy of the group's weights, the scales or None) for a table kind."""
+    if kind in FOUR_BIT:
+        import comfy_kitchen.tensor as ck
+        from qwen35_fast.kernels.packed4 import Packed4
+
+        layout = {"w4a4": "TensorCoreConvRotW4A4Layout", "nvfp4": "TensorCoreNVFP4Layout"}[kind]
+
+        def pack(r):
+            w = (torch.randn(r, k, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+            extra = {"convrot_groupsize": 256} if kind == "w4a4" else {}
+            q = ck.QuantizedTensor.from_float(w, layout, **extra)
+            prm = q._params
+            return Packed4(FOUR_BIT[kind], q._qdata, prm.scale, getattr(prm, "block_scale", None), r, k,
+                           256 if kind == "w4a4" else 0)
+        return lambda: [pack(r) for r in ns], None
+    if kind == "quant":
+        return (lambda: [torch.randint(-127, 128, (r, k), device="cuda", dtype=torch.int8, generator=gen)
+                         for r in ns],
+                [torch.rand(r, device="cuda", generator=gen) * 1e-3 + 1e-4 for r in ns])
+    return lambda: [torch.randn(r, k, device="cuda", generator=gen).to(torch.bfloat16) for r in ns], None
+
+
+def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) -> list[dict]:
+    """Per launch: the current pick's time and the ``keep`` fastest (config, split) with theirs;
+    ``kind`` a table kind (``KINDS``' values)."""
     from qwen35_fast.kernels.gemv import gemv_group
+    from qwen35_fast.kernels.gemv4 import gemv4_group
     from triton.runtime.errors import OutOfResources
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x_dtype, out = torch.bfloat16, []
+    quant, out = kind != "float", []
     for name, n, k, ns, split in launches(size):
-        if name == "lm_head" and quick:
+        if name == "lm_head" and (quick or kind in FOUR_BIT):  # 4-bit files keep lm_head in 8 bits
             continue
-        nbytes = sum(r * k for r in ns) * (1 if quant else 2)
-        copies = max(2, -(-2 * max(record.l2, 32 << 20) // nbytes))
-        make = (lambda r: torch.randint(-127, 128, (r, k), device="cuda", dtype=torch.int8, generator=gen)) if quant \
-            else (lambda r: torch.randn(r, k, device="cuda", generator=gen).to(x_dtype))
-        sets = [[make(r) for r in ns] for _ in range(copies)]
-        scales = [torch.rand(r, device="cuda", generator=gen) * 1e-3 + 1e-4 for r in ns] if quant else None
-        x = torch.randn(1, rows, k, device="cuda", generator=gen).to(x_dtype)
-        picked, picked_split = launch.gemv(n, k, quant, rows, record, weights=len(ns))
+        nbytes = sum(r * k for r in ns) * {"float": 2, "quant": 1}.get(kind, 0.5)
+        copies = max(2, -(-2 * max(record.l2, 32 << 20) // int(nbytes)))
+        make, scales = _operands(kind, ns, k, gen)
+        sets = [make() for _ in range(copies)]
+        x = torch.randn(1, rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        if kind in FOUR_BIT:
+            picked, picked_split = launch.gemv4(n, k, FOUR_BIT[kind], rows, record, weights=len(ns))
+            grid = candidates4(k, len(ns), record.shared, quick)
+
+            def run(ws, cfg, p):
+                return gemv4_group(x, ws, rotate=False, config=cfg, split=p)
+        else:
+            picked, picked_split = launch.gemv(n, k, quant, rows, record, weights=len(ns))
+            grid = candidates(n, k, quant, len(ns), record.shared, quick)
+
+            def run(ws, cfg, p):
+                return gemv_group(x, ws, scales=scales, config=cfg, split=p)
         splits = (1, 2, 4, 8) if split else (1,)
         timed = []
-        for cfg in [picked] + [c for c in candidates(n, k, quant, len(ns), record.shared, quick) if c != picked]:
+        for cfg in [picked] + [c for c in grid if c != picked]:
             for p in splits:
                 try:
-                    us = chained_us(lambda ws, cfg=cfg, p=p: gemv_group(x, ws, scales=scales, config=cfg, split=p),
-                                    sets)
+                    us = chained_us(lambda ws, cfg=cfg, p=p: run(ws, cfg, p), sets)
                 except OutOfResources:
                     torch.cuda.synchronize()
                     continue
@@ -105,17 +159,18 @@ def sweep_gemv(size: str, quant: bool, rows: int, keep: int, quick: bool, record
         timed.sort(key=lambda r: r["us"])
         now = next((r["us"] for r in timed if tuple(r["config"]) == picked and r["split"] == (picked_split
                                                                                                if split else 1)), None)
-        out.append({"launch": name, "n": n, "k": k, "quant": quant, "rows": rows, "split_product": split,
-                    "picked": [list(picked), picked_split, now], "best": timed[:keep]})
+        out.append({"launch": name, "n": n, "k": k, "quant": quant, "kind": kind, "rows": rows,
+                    "split_product": split, "picked": [list(picked), picked_split, now], "best": timed[:keep]})
         best = timed[0]
-        print(f"{'int8' if quant else 'bf16'} {rows} row(s) {name:>18} {n}x{k}: picked {picked}/{picked_split} "
+        print(f"{kind:>5} {rows} row(s) {name:>18} {n}x{k}: picked {picked}/{picked_split} "
               f"{now if now is None else round(now, 2)} us, best {tuple(best['config'])}/{best['split']} "
               f"{best['us']:.2f} us", flush=True)
     return out
 
 
 def entry_key(row: dict) -> str:
-    return f"{'quant' if row['quant'] else 'float'} {row['n']}x{row['k']} @{row['rows']}"
+    kind = row.get("kind") or ("quant" if row["quant"] else "float")
+    return f"{kind} {row['n']}x{row['k']} @{row['rows']}"
 
 
 def table_entries(swept: list[dict], taken: dict[str, dict] | None = None) -> dict:
@@ -157,21 +212,22 @@ def confirm(comfyui: str, base: Path, tries: dict[str, dict], folder: Path, repe
         variants.append((f"try{i}", key, path))
     result = folder / "confirm.json"
     kinds = ["pack", "forced3"]
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "comfy_e2e.py"), "--comfyui", comfyui, "--formats", "int8",
+    formats = sorted({CONFIRM_ON[key.split()[0]] for key in tries})
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "comfy_e2e.py"), "--comfyui", comfyui, "--formats", *formats,
            "--kinds", *kinds, "--max-lengths", "4096", "--repeat", str(repeat), "--json", str(result),
            "--variants", f"base:{base}", *(f"{name}:{path}" for name, _, path in variants)]
     print("confirming in the step:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     rows = json.loads(result.read_text())["rows"]
 
-    def median(kind):
-        return statistics.median(r["tok_s"] for r in rows if r["kind"] == kind)
+    def median(fmt, kind):
+        return statistics.median(r["tok_s"] for r in rows if r["kind"] == kind and r["format"] == fmt)
 
     taken = {}
     for name, key, _ in variants:
         one_row = int(key.rpartition("@")[2]) == 1
-        kind = "pack" if one_row else "pack-forced3"
-        if median(f"{kind}@{name}") > median(f"{kind}@base") * (1 + margin):
+        kind, fmt = "pack" if one_row else "pack-forced3", CONFIRM_ON[key.split()[0]]
+        if median(fmt, f"{kind}@{name}") > median(fmt, f"{kind}@base") * (1 + margin):
             taken[key] = tries[key]
     return taken
 
@@ -180,6 +236,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="9b")
     ap.add_argument("--comfyui", help="a ComfyUI tree: confirm the shortlist inside the whole step (comfy_e2e.py)")
+    ap.add_argument("--formats", nargs="+", choices=sorted(KINDS), default=["int8", "bf16"],
+                    help="weight formats whose launches are swept (w4a4 / nvfp4 need comfy-kitchen)")
     ap.add_argument("--quick", action="store_true", help="fewer candidates, no lm_head")
     ap.add_argument("--keep", type=int, default=3, help="shortlist length per launch")
     ap.add_argument("--margin", type=float, default=0.01, help="what a setting must win by (0.01 = 1%%)")
@@ -190,8 +248,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("tune.py times kernels on a CUDA GPU; none is visible here")
     record = device_record(torch.device("cuda"))
-    swept = [r for quant in (True, False) for rows in (1, 4)
-             for r in sweep_gemv(args.size, quant, rows, args.keep, args.quick, record)]
+    swept = [r for fmt in args.formats for rows in (1, 4)
+             for r in sweep_gemv(args.size, KINDS[fmt], rows, args.keep, args.quick, record)]
     folder = Path(args.json).resolve().parent
     base = folder / "tune_base.json"
     base.write_text(json.dumps({"launches": table_entries(swept)}))

@@ -166,7 +166,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         stop = _speculate(binding, runner, sampler, positions, req, stats, report, control, catch)
     finally:
         if req.mtp_auto:
-            costs.last_depth = control.depth
+            costs.last_depth, costs.last_tokens = control.depth, control.tokens
         summary = control.summary()
         stats.mtp_auto = req.mtp_auto
         stats.mtp_depths, stats.mtp_acceptance, stats.mtp_off = summary["depths"], summary["acceptance"], summary["off"]
@@ -185,18 +185,21 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
     the verify kept (``catch_up``), and its drafts before the host's bookkeeping for the cycle that
     just ended (the main cache's commit, the callback): the GPU never waits for the host between
     cycles. ``pending_id``: the pending token on the device when known there. Cycle wall times go
-    to ``control``, except a cycle that captured graphs (the first at its depth) or caught up
-    after a plain segment."""
+    to ``control``, except a cycle that captured graphs (the first at its depth: passed as
+    ``first_seconds``) or caught up after a plain segment. After a plain segment the head catches
+    up and makes ``control.shadow_depth()`` drafts without a verify; the next segment's first
+    tokens score them (``control.shadow``)."""
     device, dtype, cache = runner.device, runner.dtype, runner.cache
     max_length, use_prenorm = req.max_length, binding.mtp_hidden == "prenorm"
     pinned = torch.empty(3 * req.mtp_depth + 2, dtype=torch.int64, pin_memory=True) \
         if torch.device(device).type == "cuda" else None
-    drafted, pending_id, mtp_start = None, None, 0
+    drafted, pending_id, mtp_start, shadow = None, None, 0, None
     ran: set[int] = set()
     clock = time.perf_counter()
     while len(sampler.generated) < max_length:
         length = cache.length
         room = max_length - len(sampler.generated) - 1
+        control.room = room
         k = drafted[0].shape[0] if drafted is not None else min(control.choose(), room)
         if k == 0:
             count = min(control.segment_length(), room + 1) if room else 1
@@ -209,20 +212,31 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
                 new = sampler.generated[before:]
                 if room:  # a segment the controller asked for (not the last token's single step)
                     control.plain(len(new), per_token)
+            if shadow is not None and len(new) >= len(shadow):
+                control.shadow(len(shadow), next((i for i, t in enumerate(shadow) if t != new[i]), len(shadow)))
+            shadow = None
             if stop == "stop_token" or len(sampler.generated) >= max_length:
                 return stop
             if not catch:
                 mtp_start = length
             catch.append((keep, binding.embed(token_ids(new, device), dtype, device)))
+            depth = min(control.shadow_depth(), max_length - len(sampler.generated) - 1)
+            if depth > 0:  # the head catches up and drafts; the next segment's tokens score the drafts
+                hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
+                drafts, _ = draft(binding, runner, sampler, positions, hid, emb, mtp_start, cache.length, depth,
+                                  chunk=req.mtp_depth + 1)
+                catch, shadow = [], drafts.tolist()
             pending_id, clock = None, time.perf_counter()
             continue
-        timed = k in ran
+        first = k not in ran
+        timed = not first
         ran.add(k)
         if pending_id is None:
             pending_id = to_device([sampler.generated[-1]], device)
         if drafted is None:
             hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
-            drafted = draft(binding, runner, sampler, positions, hid, emb, mtp_start, length, k)
+            drafted = draft(binding, runner, sampler, positions, hid, emb, mtp_start, length, k,
+                            chunk=req.mtp_depth + 1)
             catch, timed = [], False
         (drafts, qs), drafted = drafted, None
         stats.drafted += k
@@ -237,7 +251,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         new, accepted, pending_id = settle(verdict)
         stats.accepted += accepted
         now = time.perf_counter()
-        control.cycle(k, accepted, now - clock if timed else None)
+        control.cycle(k, accepted, now - clock if timed else None, first_seconds=now - clock if first else None)
         clock = now
         stop_at = next((i for i, t in enumerate(new) if t in sampler.stops), None)
         if stop_at is not None:

@@ -19,12 +19,25 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   against 279.6 without MTP).
 * **Start**: at the depth the last generation of the same model shape ended at (``CycleCosts.
   last_depth``: the same head and settings tend to keep as many drafts), else at depth 1.
-* **Switching**: to the best depth when it is ``HYSTERESIS`` better than the current one. At depth
-  0 the controller asks for a plain segment of ``segment_length()`` tokens, then one probe cycle at
-  depth 1; a rejected probe doubles the segment (up to ``MAX_SEGMENT``), a kept one resets it to
-  ``FIRST_SEGMENT`` (a few kept probes in a row bring drafting back). Every ``DEEPER_EVERY``
-  cycles at depth k < max whose last drafts are mostly kept, one cycle runs at k + 1 (its cost is
-  then timed, not guessed).
+* **Capture cost**: the first cycle at a depth in a generation captures that depth's CUDA graphs
+  (a GraphRunner lives for one generation): about 75 ms for the 9B verify step on an H100, some
+  20 plain steps. ``CycleCosts.capture()`` is the smallest such overhead seen (a first cycle's
+  wall time over the depth's estimate; ``CAPTURE_STEPS`` plain steps before one is seen). A depth
+  not yet run in this generation is switched to only when the time it saves over the expected
+  rest of the generation exceeds that cost: ``HORIZON_MIN`` tokens, or more when the tokens made
+  so far, or what the last generation of the same model made beyond them, say so; at most the
+  room left.
+* **Switching**: to the best depth when it is ``HYSTERESIS`` better than the current one (and,
+  for a depth not yet run, worth its capture). At depth 0 the controller asks for a plain segment
+  of ``segment_length()`` tokens; after it, ``shadow_depth()`` drafts are made by the MTP head
+  (no verify step, so no verify graph to capture) and compared with the next segment's first
+  tokens: the chance that a point-mass draft equals the token the model draws is the chance the
+  verify would accept it, so each comparison is an unbiased observation of the acceptance (drafts
+  sampled from the head, ``mtp_draft="sample"``, are scored the same way: an estimate, not exact). A
+  shadow probe with no draft kept doubles the segment (up to ``MAX_SEGMENT``), a kept one resets
+  it to ``FIRST_SEGMENT``. Every ``DEEPER_EVERY`` cycles at depth k < max whose last drafts are
+  mostly kept, one cycle runs at k + 1 when that is worth its capture (its cost is then timed,
+  not guessed).
 
 The choice depends on past acceptance and wall times only, never on a token being drawn, so the
 output distribution (and greedy's tokens) are those of any fixed depth.
@@ -41,9 +54,12 @@ PRIOR_FIRST = 0.5
 PRIOR_SLOPE = 0.2
 WINDOW = 9
 HYSTERESIS = 1.02
-FIRST_SEGMENT = 16
+FIRST_SEGMENT = 32
 MAX_SEGMENT = 256
 DEEPER_EVERY = 24
+SHADOW_DEPTH = 2
+CAPTURE_STEPS = 20.0
+HORIZON_MIN = 256
 
 
 class CycleCosts:
@@ -53,13 +69,28 @@ class CycleCosts:
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
         self._seen: dict[int, deque] = {}
+        self._captures: deque = deque(maxlen=WINDOW)
         #: the depth the last generation ended at (its controller's choice), None before one ran
         self.last_depth: int | None = None
+        #: the tokens the last generation made (0 before one ran)
+        self.last_tokens = 0
 
     def add(self, depth: int, seconds: float) -> None:
         """One cycle (depth >= 1) or one plain step (depth 0) took ``seconds``."""
         if seconds > 0:
             self._seen.setdefault(depth, deque(maxlen=WINDOW)).append(seconds)
+
+    def add_capture(self, seconds: float) -> None:
+        """A first cycle at a depth took ``seconds`` more than the depth's estimate (its graphs were
+        captured; a first generation's Triton compiles inflate it, hence ``capture`` takes the least)."""
+        if seconds > 0:
+            self._captures.append(seconds)
+
+    def capture(self) -> float:
+        """What capturing one more depth's graphs costs, in ``estimate``'s units."""
+        if self._captures and self.timed():
+            return min(self._captures)
+        return CAPTURE_STEPS * self.estimate(0)
 
     def timed(self) -> dict[int, float]:
         """The timed depths and their median seconds."""
@@ -100,9 +131,11 @@ def cycle_costs(key: tuple, max_depth: int) -> CycleCosts:
 class DepthController:
     """Chooses each cycle's draft depth for ``mtp="auto"`` (see the module docstring).
 
-    Use: ``choose()`` -> depth for the next cycle (0: run ``segment_length()`` plain steps);
-    after it, ``cycle(depth, accepted, seconds)`` or ``plain(tokens, seconds_per_token)``
-    (``seconds`` None: not timed, e.g. a cycle that captured a graph). ``summary()`` for the stats.
+    Use: set ``room`` (tokens the generation may still make), ``choose()`` -> depth for the next
+    cycle (0: run ``segment_length()`` plain steps); after it, ``cycle(depth, accepted, seconds,
+    first_seconds=)`` or ``plain(tokens, seconds_per_token)`` (``seconds`` None: not timed, e.g. a
+    cycle that captured a graph); after a plain segment ``shadow_depth()`` drafts, scored by
+    ``shadow(depth, matched)`` once the next segment's tokens are known. ``summary()`` for the stats.
     """
 
     def __init__(self, max_depth: int, costs: CycleCosts, start: int | None = None):
@@ -115,9 +148,12 @@ class DepthController:
         self.drafted = [0] * (max_depth + 1)  # undecayed, for the report
         self.accepted = [0] * (max_depth + 1)
         self._segment = FIRST_SEGMENT
-        self._probing = False
         self._since_deeper = 0
         self._next: int | None = None
+        self._shadow_due = False
+        #: tokens made so far in this generation; the room left (set by the caller, None: unknown)
+        self.tokens, self.room = 0, None
+        self._ran = {self.depth}  # depths whose graphs this generation has (or captures first)
         self.off_reason = None if self.depth else (
             f"the last generation's drafts were rarely accepted: plain steps, probing every {self._segment} tokens")
 
@@ -160,48 +196,89 @@ class DepthController:
         return self.depth
 
     def segment_length(self) -> int:
-        """Plain steps to run before the next probe cycle."""
+        """Plain steps to run before the next shadow probe."""
         return self._segment
+
+    def horizon(self) -> float:
+        """Tokens the rest of the generation is expected to make: ``HORIZON_MIN``, or as many as so
+        far, or what the last generation made beyond that, whichever is most; at most the room left."""
+        h = max(HORIZON_MIN, self.tokens, self.costs.last_tokens - self.tokens)
+        return h if self.room is None else min(h, self.room)
+
+    def worth(self, depth: int, a: list[float]) -> bool:
+        """Whether running ``depth`` instead of the current depth pays: by ``HYSTERESIS``, and for a
+        depth not yet run in this generation by more than its capture over ``horizon()`` tokens."""
+        now, then = self.rate(self.depth, a), self.rate(depth, a)
+        if then <= HYSTERESIS * now:
+            return False
+        if depth in self._ran:
+            return True
+        h = self.horizon()
+        return h / now - h / then > self.costs.capture()
 
     def _decide(self) -> None:
         a = self.acceptance()
         best = self.best()
-        if best != self.depth and self.rate(best, a) > HYSTERESIS * self.rate(self.depth, a):
+        if best != self.depth and self.worth(best, a):
             self.depth = best
+            self._ran.add(best)
         if self.depth == 0:
             self.off_reason = (f"drafts were rarely accepted (estimated {100 * a[1]:.0f}% at the first position): "
                                f"plain steps, probing every {self._segment} tokens")
         elif (self.depth < self.max_depth and self._since_deeper >= DEEPER_EVERY
               and a[self.depth] >= 0.5):
             self._since_deeper = 0
-            self._next = self.depth + 1
+            deeper = self.depth + 1
+            if deeper in self._ran or self.horizon() * (1 / self.rate(self.depth, a) - 1 / self.rate(deeper, a)) \
+                    > self.costs.capture():
+                self._next = deeper
+                self._ran.add(deeper)
 
     # ------------------------------------------------------------------ observations
-    def cycle(self, depth: int, accepted: int, seconds: float | None) -> None:
-        """A cycle of ``depth`` drafts kept ``accepted`` of them and took ``seconds`` (None: untimed)."""
-        for j in range(1, min(accepted + 1, depth) + 1):  # the positions this cycle decided
+    def _observe(self, depth: int, accepted: int) -> None:
+        for j in range(1, min(accepted + 1, depth) + 1):  # the positions this draft run decided
             kept = j <= accepted
             self._reached[j] = DECAY * self._reached[j] + 1.0
             self._kept[j] = DECAY * self._kept[j] + kept
             self.drafted[j] += 1
             self.accepted[j] += kept
+
+    def cycle(self, depth: int, accepted: int, seconds: float | None, *, first_seconds: float | None = None) -> None:
+        """A cycle of ``depth`` drafts kept ``accepted`` of them and took ``seconds`` (None: untimed).
+        ``first_seconds``: the wall time of the generation's first cycle at this depth (it captured
+        the depth's graphs; not a cost sample)."""
+        self._observe(depth, accepted)
         self.histogram[depth] += 1
+        self.tokens += accepted + 1
+        self._ran.add(depth)
         self._since_deeper += 1
         if seconds is not None:
             self.costs.add(depth, seconds)
-        was_probe, self._probing = self._probing, False
+        if first_seconds is not None and depth in self.costs.timed():
+            self.costs.add_capture(first_seconds - self.costs.estimate(depth))
         self._decide()
-        if was_probe:
-            self._segment = FIRST_SEGMENT if accepted else min(2 * self._segment, MAX_SEGMENT)
 
     def plain(self, tokens: int, seconds_per_token: float | None) -> None:
-        """A plain segment produced ``tokens`` tokens at ``seconds_per_token`` (None: untimed);
-        the next cycle is a probe at depth 1."""
+        """A plain segment produced ``tokens`` tokens at ``seconds_per_token`` (None: untimed); a
+        shadow probe is due after it (``shadow_depth``)."""
         self.histogram[0] += tokens
+        self.tokens += tokens
+        self._ran.add(0)
         if seconds_per_token is not None:
             self.costs.add(0, seconds_per_token)
-        self._probing = True
-        self._next = 1
+        self._shadow_due = True
+
+    def shadow_depth(self) -> int:
+        """Drafts to make now for a shadow probe (0: none due): after a plain segment, at depth 0."""
+        due, self._shadow_due = self._shadow_due, False
+        return min(SHADOW_DEPTH, self.max_depth) if due and self.depth == 0 else 0
+
+    def shadow(self, depth: int, matched: int) -> None:
+        """A shadow probe's ``depth`` drafts: the first ``matched`` equal the tokens the model then
+        drew. Observed as a cycle's acceptance (untimed); sets the next segment's length."""
+        self._observe(depth, matched)
+        self._segment = FIRST_SEGMENT if matched else min(2 * self._segment, MAX_SEGMENT)
+        self._decide()
 
     def summary(self) -> dict:
         """``depths``: {depth: cycles run (depth 0: plain tokens)}; ``acceptance``: per draft
@@ -222,11 +299,15 @@ class FixedDepth:
         self.drafted = [0] * (depth + 1)
         self.accepted = [0] * (depth + 1)
         self.off_reason = None
+        self.room = None
 
     def choose(self) -> int:
         return self.depth
 
-    def cycle(self, depth: int, accepted: int, seconds: float | None) -> None:
+    def shadow_depth(self) -> int:
+        return 0
+
+    def cycle(self, depth: int, accepted: int, seconds: float | None, *, first_seconds: float | None = None) -> None:
         self.histogram[depth] += 1
         for j in range(1, min(accepted + 1, depth) + 1):
             self.drafted[j] += 1

@@ -37,17 +37,27 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import MAX_DECODE_ROWS
 from .distribution import target_argmax, target_probs
 from .draw import sample, speculative_accept_rows
 from .readback import Readback
 from .rope import RowPositions
 from .sampling import Sampler, to_device
 
+#: Catch-ups of more rows than this (a prompt) run as one forward; shorter ones in decode-row chunks.
+CHUNKED_MAX = 512
+
 
 def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hidden: torch.Tensor,
-          catchup_emb: torch.Tensor, mtp_start: int, length: int, k: int):
+          catchup_emb: torch.Tensor, mtp_start: int, length: int, k: int, chunk: int = 1):
     """Run the MTP head over the catch-up rows (``catchup_hidden``, ``catchup_emb`` ``[1,R,H]``,
     starting at row ``mtp_start``) and draft k tokens after the pending token at row ``length``.
+
+    More than ``MAX_DECODE_ROWS`` and at most ``CHUNKED_MAX`` catch-up rows (a plain segment's) run
+    as decode-row forwards, each committed before the next (the same causal result): R - 1 rows in
+    pieces of ``chunk`` rows (the verify's row count: kernels a generation already compiled, graphs
+    it may already have) and single rows, then the last row with its logits. A prompt runs as one
+    forward.
 
     Returns ``(drafts, qs)``: the k token ids as int64 ``[k]`` on the device (each draft is embedded
     for the next from there, so drafting never waits for the host) and, for each, the draft
@@ -55,7 +65,17 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     drafts). The MTP cache ends at ``length`` rows.
     """
     rows = catchup_hidden.shape[1]
-    out, logits = runner.mtp_logits(catchup_hidden, catchup_emb, positions.rows(mtp_start, rows))
+    first = 0
+    if MAX_DECODE_ROWS < rows <= CHUNKED_MAX:
+        chunk = max(1, min(chunk, MAX_DECODE_ROWS))
+        while first < rows - 1:
+            n = chunk if rows - 1 - first >= chunk else 1
+            runner.mtp_forward(catchup_hidden[:, first:first + n], catchup_emb[:, first:first + n],
+                               positions.rows(mtp_start + first, n))
+            runner.cache.mtp.commit()
+            first += n
+    out, logits = runner.mtp_logits(catchup_hidden[:, first:], catchup_emb[:, first:],
+                                    positions.rows(mtp_start + first, rows - first))
     runner.cache.mtp.commit()
     return draft_from(binding, runner, sampler, positions, out[:, -1:], logits, length, k)
 

@@ -9,8 +9,12 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   inputs the unsliced 128-wide 5-stage tile where a block may use 160 KB), then fitted to the
   block's shared memory by ``gemv_shared``'s estimate: fewer stages down to 3, then narrower K
   tiles down to 64, then 2 stages.
-* 4-bit GEMV tile (``gemv4_config``): the 8-bit pick with a K tile twice as wide (the same bytes
-  per tile), fitted to shared memory the same way.
+* 4-bit GEMV tile (``gemv4_config``): 256 weight columns per K tile (nvfp4: 128 where the
+  output has 16384 columns or more), 64 output columns from 8192 outputs (nvfp4: from 16384),
+  4 warps, 3 stages (nvfp4: 2), fitted to shared memory. Measured on an H100 (9B shapes, 1 and 4
+  rows): wider K tiles spill the unpacked weights from registers (w4a4 12352x4096: 72 us at 1024
+  columns, 47 at 256; nvfp4: 999 us against 109), and stages barely matter (the tile is bound by
+  the unpacking arithmetic, not by memory latency).
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
   SM for 8-bit weights, 2 for 16-bit) cuts K into the largest power of two of ranges that reaches
   it, at most 8 and at most one range per K tile.
@@ -63,23 +67,23 @@ def gemv_config(n: int, k: int, quant: bool, rows: int, record: DeviceRecord | N
 
 
 def gemv4_config(n: int, k: int, rows: int, record: DeviceRecord | None, weights: int = 1,
-                 x_bytes: int = 2) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of a 4-bit GEMV (``gemv4.py``; BLOCK_K in weight columns):
-    the 8-bit pick's columns, warps and stages with twice its K tile, so a program streams the same
-    bytes per tile (not yet measured against others: ``benchmarks/tune.py`` can), then fitted to the
-    block's shared memory as ``gemv_config`` fits (per stage: BLOCK_N * BLOCK_K / 2 weight bytes and
-    x's even and odd 16-row tiles)."""
-    block_n, block_k, warps, stages = _gemv_shape_pick(n, k, True, rows, None if record is None else record.shared)[:4]
-    block_k = min(1024, block_k * 2)
+                 x_bytes: int = 2, fmt: str = "convrot_w4a4") -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of a 4-bit GEMV (``gemv4.py``; BLOCK_K in weight columns)
+    of ``fmt`` (``convrot_w4a4`` or ``nvfp4``): the rule in the module docstring, then fitted to the
+    block's shared memory (per stage: BLOCK_N * BLOCK_K / 2 weight bytes and x's even and odd
+    16-row tiles), fewer stages first, then narrower K tiles down to 64."""
+    nv = fmt == "nvfp4"
+    block_n = 64 if n >= (16384 if nv else 8192) else 32
+    block_k = 128 if nv and n >= 16384 else 256
+    block_k = min(block_k, max(64, 1 << max(0, k - 1).bit_length()))
+    warps, stages = 4, 2 if nv else 3
     if record is None:
         return block_n, block_k, warps, stages
     while weights * max(1, stages - 1) * (block_n * block_k // 2 + 16 * block_k * x_bytes) > record.shared:
-        if stages > 3:
+        if stages > 2:
             stages -= 1
-        elif block_k > 128:
+        elif block_k > 64:
             block_k //= 2
-        elif stages > 2:
-            stages -= 1
         else:
             break
     return block_n, block_k, warps, stages

@@ -204,7 +204,7 @@ def gemv4(n: int, k: int, fmt: str, rows: int, device, *, weights: int = 1,
     record = _record(device)
     found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record)
     config = tuple(found["config"])[:4] if "config" in found else \
-        fallback.gemv4_config(n, k, rows, record, weights, x_bytes)
+        fallback.gemv4_config(n, k, rows, record, weights, x_bytes, fmt)
     split = int(found["split"]) if "split" in found else \
         fallback.gemv_split(n, k, True, record, config[0], config[1])
     return config, split

@@ -34,11 +34,15 @@ def gpu_reason() -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     why = None
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "gpu" in item.keywords:
             why = why or gpu_reason() or ""
             if why:
                 item.add_marker(pytest.mark.skip(reason=why))
+        elif "interpreter" in item.keywords and HAS_CUDA and not interpreting:
+            item.add_marker(pytest.mark.skip(
+                reason="runs Triton on CPU tensors: run it with TRITON_INTERPRET=1 (the GPU tests without it)"))
 
 
 @pytest.fixture

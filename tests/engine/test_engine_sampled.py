@@ -79,26 +79,17 @@ def _instance(tmp_path, rng, mtp, draft, tries: int = 8):
     return model, sd, d, prompt
 
 
-class _DearDrafts:
-    """Stand-in costs for ``mtp="auto"``: a cycle at depth k costs 1 + k / 2 plain steps, so one
-    rejected draft sends the controller to plain steps and a kept one keeps it drafting."""
-
-    last_depth = None  # each generation starts afresh (at depth 1)
-
-    def estimate(self, depth: int) -> float:
-        return 1.0 + 0.5 * depth
-
-    def add(self, depth: int, seconds: float) -> None:
-        pass
-
-
 @pytest.mark.parametrize("mtp,draft", [("off", "argmax"), (2, "argmax"), (2, "sample"), ("auto", "argmax")])
 def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft, monkeypatch):
     """With ``mtp="auto"`` the depth of token 3 depends on whether token 2's draft was kept: plain
     steps after a rejection, the verify's bonus row after an acceptance (both occur)."""
     import qwen35_fast.engine.generation as generation
 
-    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: _DearDrafts())
+    from tests.engine.test_mtp_auto import StandIn
+
+    # a cycle at depth k costs 1 + k / 2 plain steps and switching is free: one rejected draft sends
+    # the controller to plain steps and a kept one keeps it drafting
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: StandIn(0.5))
     model, sd, d, prompt = _instance(tmp_path, rng, mtp, draft)
     ref = Reference(sd, d)
     v = d["vocab_size"]

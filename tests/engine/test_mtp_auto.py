@@ -22,16 +22,27 @@ from benchmarks.draft_hook import acceptance_hook
 
 
 class StandIn:
-    """Costs of the controller's cost interface: ``1 + slope * depth`` per cycle, never updated."""
+    """Costs of the controller's cost interface: ``1 + slope * depth`` per cycle and ``capture``
+    per newly captured depth (0: free), never updated."""
 
-    def __init__(self, slope: float):
-        self.slope = slope
+    def __init__(self, slope: float, capture: float = 0.0):
+        self.slope, self._capture = slope, capture
         self.last_depth = None  # each generation starts afresh (at depth 1)
+        self.last_tokens = 0
 
     def estimate(self, depth: int) -> float:
         return 1.0 + self.slope * depth
 
+    def timed(self) -> dict[int, float]:
+        return {}
+
+    def capture(self) -> float:
+        return self._capture
+
     def add(self, depth: int, seconds: float) -> None:
+        pass
+
+    def add_capture(self, seconds: float) -> None:
         pass
 
 
@@ -51,8 +62,16 @@ def oracle_depth(acceptance: list[float], slope: float, max_depth: int = 5) -> t
 
 def simulate(controller: DepthController, acceptance: list[float], cycles: int, seed: int) -> list[int]:
     """Run the controller on a simulated head that keeps draft j with probability acceptance[j-1]
-    (given the ones before it were kept); returns the depth each token was made at (0: plain)."""
+    (given the ones before it were kept; a shadow probe's drafts likewise); returns the depth each
+    token was made at (0: plain)."""
     rng = random.Random(seed)
+
+    def kept(k: int) -> int:
+        accepted = 0
+        while accepted < k and rng.random() < acceptance[accepted]:
+            accepted += 1
+        return accepted
+
     depths = []
     for _ in range(cycles):
         k = controller.choose()
@@ -60,10 +79,11 @@ def simulate(controller: DepthController, acceptance: list[float], cycles: int, 
             n = controller.segment_length()
             depths += [0] * n
             controller.plain(n, None)
+            shadow = controller.shadow_depth()
+            if shadow:
+                controller.shadow(shadow, kept(shadow))
             continue
-        accepted = 0
-        while accepted < k and rng.random() < acceptance[accepted]:
-            accepted += 1
+        accepted = kept(k)
         depths += [k] * (accepted + 1)
         controller.cycle(k, accepted, None)
     return depths
@@ -87,10 +107,10 @@ def test_controller_settles_on_the_oracle_depth(acceptance, slope):
     share = late.count(want) / len(late)
     assert share > 0.8, (want, {k: late.count(k) for k in set(late)})
     assert controller.best() == want
-    if want == 0:  # settled within the probe window: plain within 4 cycles, then plain but for probes
+    if want == 0:  # settled within the probe window: plain within 4 cycles, then plain but for rare cycles
         start = depths.index(0)
         assert start <= 4 and depths[start:start + mtp_auto.FIRST_SEGMENT] == [0] * mtp_auto.FIRST_SEGMENT
-        assert share > 0.9
+        assert share > 0.95
 
 
 def test_controller_recovers_when_drafts_start_to_be_kept():
@@ -115,6 +135,16 @@ def test_cycle_costs_fill_untimed_depths():
     costs.add(3, 3.1)
     assert costs.estimate(5) == pytest.approx(4.1)  # the line through (1, 2.1) and (3, 3.1)
     assert costs.estimate(0) == pytest.approx(1.6)
+
+
+def test_capture_cost_is_the_least_first_cycle_overhead():
+    costs = CycleCosts(5)
+    assert costs.capture() == pytest.approx(mtp_auto.CAPTURE_STEPS)  # plain steps, before any timing
+    costs.add(0, 0.004)
+    assert costs.capture() == pytest.approx(mtp_auto.CAPTURE_STEPS * 0.004)
+    for s in (2.4, 0.07, 0.09):  # a first generation's compile, then captures alone
+        costs.add_capture(s)
+    assert costs.capture() == pytest.approx(0.07)
 
 
 # ------------------------------------------------------------------ generations
@@ -225,3 +255,90 @@ def test_next_generation_starts_at_the_last_depth(model, rng, monkeypatch):
     assert later.tokens == off.tokens
     cycles = [sum(n for k, n in r.stats.mtp_depths.items() if k) for r in (plain, later)]
     assert cycles[1] < cycles[0] and later.stats.mtp_depths[0] >= 40, (cycles, later.stats.mtp_depths)
+
+
+def test_a_new_depth_must_be_worth_its_capture():
+    """Every draft kept, drafting at depth 1: deeper is better (depth 5: 6 tokens for 2 plain steps
+    against depth 1's 2 for 1.2), but a depth's graphs cost 100 plain steps. Early in the generation
+    (horizon ``HORIZON_MIN`` = 256 tokens: about 67 steps saved) the controller stays at depth 1;
+    once the generation has made enough tokens that the rest is expected to repay the capture it
+    leaves; with only 300 tokens of room it never does; a capture of 20 steps is worth it at once."""
+    def tokens_at_depth_1(capture: float, room: int | None = None) -> int:
+        controller = DepthController(5, StandIn(0.2, capture=capture), start=1)
+        controller.room = room
+        depths = simulate(controller, [1.0] * 5, 300, seed=0)
+        return next((i for i, k in enumerate(depths) if k != 1), len(depths))
+
+    assert tokens_at_depth_1(20.0) <= 2
+    left = tokens_at_depth_1(100.0)
+    # saved over h tokens: h / (2 / 1.2) - h / (6 / 2) = 0.267 h > 100 once h = tokens so far > 375
+    assert 375 <= left <= 420, left  # the estimates reach ~0.99 a few cycles in
+    assert tokens_at_depth_1(100.0, room=300) == 600  # never: 300 cycles of 2 tokens at depth 1
+
+
+def test_the_last_generation_length_sets_the_horizon():
+    """After a generation of 1000 tokens the next expects as many: a capture of 100 plain steps
+    pays at once (0.267 * 1000 > 100)."""
+    costs = StandIn(0.2, capture=100.0)
+    costs.last_tokens = 1000
+    controller = DepthController(5, costs, start=1)
+    depths = simulate(controller, [1.0] * 5, 100, seed=0)
+    assert next(i for i, k in enumerate(depths) if k != 1) <= 12, depths[:20]
+
+
+def test_shadow_probes_bring_drafting_back(model, rng, monkeypatch):
+    """A generation that starts plain (the last one ended there) on a text whose drafts are all
+    right: the shadow drafts after the first segment match the next segment's tokens, and drafting
+    resumes after it, with no probe cycle; greedy stays exact."""
+    book = StandIn(0.2)
+    book.last_depth = 0
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: book)
+    m, d = model
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    off = _run(m, prompt, "off", n=120)
+    res = _run(m, prompt, "auto", acceptance_hook(off.tokens, 1.0, vocab=d["vocab_size"]), n=120)
+    assert res.tokens == off.tokens
+    st = res.stats
+    assert st.mtp_depths[0] == 2 * mtp_auto.FIRST_SEGMENT and st.mtp_depths.get(5, 0) >= 8, st.mtp_depths
+    assert st.mtp_acceptance[:2] == [1.0, 1.0]
+    book.last_depth = 0
+    wrong = _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=120)
+    cycles = sum(n for k, n in wrong.stats.mtp_depths.items() if k)
+    assert wrong.tokens == off.tokens and cycles <= 2, wrong.stats.mtp_depths  # the prior's one try at most
+
+
+def test_a_segment_catch_up_in_chunks_equals_one_forward(model, rng, monkeypatch):
+    """The head's catch-up over a plain segment's 33 rows, run as decode-row pieces (6-row ones,
+    single rows, then the last row with its logits; float32, the module path), leaves the MTP
+    cache and the drafts as one forward over all rows does, after rows already in the cache."""
+    from qwen35_fast.engine import bind, speculative
+    from qwen35_fast.engine.rope import RowPositions
+    from qwen35_fast.engine.sampling import Sampler
+    from qwen35_fast.engine.sampling_params import SamplingParams
+    from qwen35_fast.engine.stack import build_runner
+
+    m, d = model
+    binding = bind(m)
+    h, start, rows = d["hidden_size"], 4, 33
+    hid = torch.randn(1, start + rows, h, generator=rng)
+    emb = torch.randn(1, start + rows, h, generator=rng)
+    params = SamplingParams(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    seen = []
+    for limit in (speculative.CHUNKED_MAX, 0):  # chunked, then one forward
+        monkeypatch.setattr(speculative, "CHUNKED_MAX", limit)
+        runner = build_runner(binding, capacity=64, dtype=torch.float32, device="cpu", fused=False,
+                              cuda_graphs=False)
+        positions = RowPositions(torch.arange(start).expand(3, start))
+        sampler = Sampler(params, seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[], device="cpu",
+                          mtp_draft="argmax")
+        with torch.no_grad():
+            speculative.draft(binding, runner, sampler, positions, hid[:, :start], emb[:, :start], 0, start, 1)
+            drafts, _ = speculative.draft(binding, runner, sampler, positions, hid[:, start:], emb[:, start:],
+                                          start, start + rows, 2, chunk=6)
+        mtp = runner.cache.mtp
+        seen.append((drafts.tolist(), mtp.host_length, mtp.k[:, :, :start + rows].clone(),
+                     mtp.v[:, :, :start + rows].clone()))
+    (d1, n1, k1, v1), (d2, n2, k2, v2) = seen
+    assert d1 == d2 and n1 == n2 == start + rows
+    torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)

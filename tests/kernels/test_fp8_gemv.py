@@ -6,6 +6,8 @@ import torch
 from qwen35_fast.kernels import capabilities
 from qwen35_fast.kernels.gemv import gemv, gemv_group, gemv_reason
 
+pytestmark = pytest.mark.interpreter  # Triton on CPU tensors: run with TRITON_INTERPRET=1 (tests/conftest.py)
+
 ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="comfy-kitchen (requirements-dev.txt) is the oracle")
 gpu = pytest.mark.gpu
 

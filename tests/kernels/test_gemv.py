@@ -4,6 +4,8 @@ import pytest
 import torch
 from qwen35_fast.kernels.gemv import gemv, gemv_group
 
+pytestmark = pytest.mark.interpreter  # Triton on CPU tensors: run with TRITON_INTERPRET=1 (tests/conftest.py)
+
 CONFIGS = [None, (16, 32, 4, 2), (32, 64, 4, 3)]
 
 

@@ -7,6 +7,8 @@ import torch
 from qwen35_fast.kernels.gemv4 import gemv4, gemv4_group, gemv4_reason
 from qwen35_fast.kernels.packed4 import Packed4, dequantize
 
+pytestmark = pytest.mark.interpreter  # Triton on CPU tensors: run with TRITON_INTERPRET=1 (tests/conftest.py)
+
 ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="comfy-kitchen (requirements-dev.txt) is the oracle")
 
 LAYOUTS = {"convrot_w4a4": "TensorCoreConvRotW4A4Layout", "nvfp4": "TensorCoreNVFP4Layout"}

@@ -7,6 +7,8 @@ from qwen35_fast.kernels.convrot import hadamard, hadamard_rotate_torch
 from qwen35_fast.kernels.convrot_triton import hadamard_rotate
 from qwen35_fast.kernels.gemv import gemv, gemv_group
 
+pytestmark = pytest.mark.interpreter  # Triton on CPU tensors: run with TRITON_INTERPRET=1 (tests/conftest.py)
+
 ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="comfy-kitchen (requirements-dev.txt) is the oracle")
 
 

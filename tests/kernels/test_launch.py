@@ -112,6 +112,15 @@ def test_the_fallback_fits_every_gpu_and_every_size(gpu):
                         assert parts & (parts - 1) == 0 and 1 <= parts <= 8
                         if split and parts > 1:
                             assert -(-n // bn) * parts <= 8 * gpu.sms  # no more splits than the SMs need
+                for fmt in ("convrot_w4a4", "nvfp4"):
+                    for rows in (1, 4, 8):
+                        config, parts = launch.gemv4(n, k, fmt, rows, gpu, weights=weights)
+                        bn, bk, warps, stages = config
+                        need = weights * max(1, stages - 1) * (bn * bk // 2 + 16 * bk * 2)
+                        assert need <= gpu.shared, (size, n, k, fmt, rows, config, need)
+                        assert all(v & (v - 1) == 0 for v in (bn, bk, warps)) and stages >= 2, config
+                        assert 32 <= bk <= 256 and bn >= 16, config  # wider K tiles spill (fallback.py)
+                        assert parts & (parts - 1) == 0 and 1 <= parts <= 8
     for rows in (1, 4, 8):
         for itemsize in (2, 4):
             block_m = max(16, 1 << (4 * rows - 1).bit_length())
