@@ -23,6 +23,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +102,16 @@ def triton_module(name: str):
     try:
         return importlib.import_module(f".{name}", __package__), None
     except Exception as exc:  # no Triton wheel for this platform, or a broken install
-        return None, f"Triton is not usable here ({type(exc).__name__}: {exc})"
+        return None, unusable_reason(exc)
+
+
+def unusable_reason(exc: BaseException) -> str:
+    """Why Triton kernels cannot be imported (``exc``), with the command that installs the Triton
+    matching this torch (``triton_advice``; on Windows the ``triton-windows`` build)."""
+    from .triton_advice import advice
+
+    windows = sys.platform == "win32"
+    return f"Triton is not usable here ({type(exc).__name__}: {exc}); {advice(torch.__version__, windows=windows)}"
 
 
 def triton_reason(device, name: str = "attention_triton") -> str | None:
