@@ -4,6 +4,10 @@ Importing this package loads nothing heavy; ComfyUI calls ``comfy_entrypoint`` t
 """
 
 
+#: The frontend extension (``web/qwen35_fast.js``): the enhancers' sampling widgets only with preset "custom".
+WEB_DIRECTORY = "./web"
+
+
 async def comfy_entrypoint():
     """V3 entry point called by ComfyUI; returns the pack's ``ComfyExtension``."""
     from .nodes.extension import comfy_entrypoint as entry

@@ -75,16 +75,19 @@ def is_network_error(exc: BaseException) -> bool:
                                                 "huggingface_hub", "http")
 
 
-def unreachable(what: str, exc: BaseException, by_hand: str) -> FetchError:
+def unreachable(what: str, exc: BaseException, by_hand: str, offline: str | None = None) -> FetchError:
+    """The error of a download that could not reach the Hub: the network fixes, the ``by_hand``
+    command, and ``offline`` (how to go on without the file) when there is such a way."""
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return FetchError(
         f"Cannot download {what} from {endpoint()} ({type(exc).__name__}: {detail}). Check the network "
         "(HF_ENDPOINT for a mirror, HF_TOKEN or 'hf auth login' for a gated repository) and run again, "
-        f"or fetch it by hand: {by_hand}")
+        f"or fetch it by hand: {by_hand}" + (f"; or, offline, {offline}" if offline else ""))
 
 
-def hub_download(repo: str, filename: str, what: str, by_hand: str, **kwargs) -> str:
-    """``hf_hub_download`` (HF cache, token, offline mode), failing fast when the Hub cannot be reached."""
+def hub_download(repo: str, filename: str, what: str, by_hand: str, offline: str | None = None, **kwargs) -> str:
+    """``hf_hub_download`` (HF cache, token, offline mode), failing fast when the Hub cannot be reached
+    (``unreachable``'s error, with ``by_hand`` and ``offline``)."""
     hub = hub_module()
     try:
         return hub.hf_hub_download(repo, filename, endpoint=endpoint(), local_files_only=True, **kwargs)
@@ -97,7 +100,7 @@ def hub_download(repo: str, filename: str, what: str, by_hand: str, **kwargs) ->
     except Exception as exc:
         if not is_network_error(exc):
             raise
-        raise unreachable(what, exc, by_hand) from exc
+        raise unreachable(what, exc, by_hand, offline) from exc
 
 
 def hub_url(repo: str, filename: str, revision: str) -> str:

@@ -78,9 +78,14 @@ def official_system_prompt(preset: str, models_dir: str) -> str:
     return text
 
 
+#: How to go on without the official system prompt file.
+OFFLINE_PROMPT = "write a system prompt of your own into the enhancer's system_prompt (instead of 'official')"
+
+
 def _download_prompt(repo: str, path: str) -> None:
     by_hand = f"hf download {repo} {PROMPT_FILE} --local-dir {os.path.dirname(path)}"
-    cached = hub_download(repo, PROMPT_FILE, f"the official system prompt ({repo}/{PROMPT_FILE})", by_hand)
+    cached = hub_download(repo, PROMPT_FILE, f"the official system prompt ({repo}/{PROMPT_FILE})", by_hand,
+                          offline=OFFLINE_PROMPT)
     try:
         with open(cached, encoding="utf-8") as f:
             text = f.read()

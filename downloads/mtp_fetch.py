@@ -158,6 +158,11 @@ def fetch_mtp_head(size: str, dest_dir: str, *, expected_shapes: dict | None = N
     return dest
 
 
+#: How to go on without a downloaded MTP head.
+OFFLINE_HEAD = ("set the loader's mtp_head to 'none': MTP then uses the loaded file's own mtp.* tensors if it has "
+                "them, else generation runs without MTP")
+
+
 def _download(repo: str, revision: str, dest: str, expected_shapes: dict | None, progress: Progress | None,
               check: transfer.Check | None, retries: int) -> None:
     by_hand = (f"hf download {repo} --include 'model.safetensors*' --local-dir <folder>, then run the pack's "
@@ -167,11 +172,11 @@ def _download(repo: str, revision: str, dest: str, expected_shapes: dict | None,
     except FetchError:
         raise
     except Interrupted as exc:
-        raise unreachable(f"the MTP head index of {repo}", exc, by_hand) from exc
+        raise unreachable(f"the MTP head index of {repo}", exc, by_hand, OFFLINE_HEAD) from exc
     except Exception as exc:
         if not is_network_error(exc):
             raise
-        raise unreachable(f"the MTP head of {repo}", exc, by_hand) from exc
+        raise unreachable(f"the MTP head of {repo}", exc, by_hand, OFFLINE_HEAD) from exc
     planned = tensor_shapes(json.loads(header_bytes[8:]))
     _check_names(planned, expected_shapes, f"{repo}@{commit[:12]}", "Pick the base repository of this model's size.")
 

@@ -70,6 +70,11 @@ if [ ! -f "$venv/.ok" ]; then
   touch "$venv/.ok"
 fi
 
+# Playwright (the browser test's client) where Chromium is there to drive; without it the test skips.
+if command -v chromium >/dev/null 2>&1 && ! "$venv/bin/python" -c "import playwright" 2>/dev/null; then
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check playwright >&2
+fi
+
 echo "python $venv/bin/python"
 echo "tree 0.29.0 $(cd "$trees/comfy-0.29.0" && pwd -P) -"
 echo "tree v3bias $trees/comfy-v3bias -"

@@ -163,7 +163,7 @@ def to_ui(graph: Graph, models: list[str], name: str) -> dict:
                                "link": link_by_target[(nid, name)]})
         outputs = [{"name": name, "type": typ, "slot_index": i, "links": out_links[nid].get(i, [])}
                    for i, (name, typ) in enumerate(socket_out)]
-        size = [420, 260] if n["type"] == "Note" else [360, 160]
+        size = [380, 260] if n["type"] == "Note" else [360, 160]
         node = {"id": nid, "type": n["type"], "pos": list(n["pos"]), "size": size, "flags": {},
                 "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
                 "properties": {"Node name for S&R": n["type"]}, "widgets_values": _widget_values(n)}
@@ -244,7 +244,7 @@ def _image_half(g: Graph, pe: int, x: int, edit_image: int | None = None):
     g.add(28, "VAEDecode", (x + 1200, 0))
     g.link(27, 0, 28, "samples")
     g.link(23, 0, 28, "vae")
-    g.add(29, "SaveImage", (x + 1500, 0), filename_prefix="qwen_image_2.1_pe")
+    g.add(29, "SaveImage", (x + 1600, 0), filename_prefix="qwen_image_2.1_pe")
     g.link(28, 0, 29, "images")
 
 

@@ -25,7 +25,8 @@ while read -r kind label tree extra; do
   pp="${PYTHONPATH:-}"; [ "$extra" != - ] && pp="$extra${pp:+:$pp}"  # v5cache: its comfy-kitchen first
   files=(tests/comfyui/test_comfyui_core.py tests/comfyui/test_engine_comfyui.py)
   [[ " $server " == *" $label "* ]] && files+=(tests/comfyui/test_comfyui_integration.py)
-  [ "$label" = 0.29.0 ] && files+=(tests/comfyui/test_pe_server.py)  # one transformers serve, reused
+  # one transformers serve, reused; the real frontend in Chromium (skipped without it)
+  [ "$label" = 0.29.0 ] && files+=(tests/comfyui/test_pe_server.py tests/comfyui/test_frontend_browser.py)
   select=()
   [ "$one_tree" = all ] || [ "$one_tree" = "$label" ] || select=(-m "not one_tree")
   echo "=== ComfyUI $label ($tree): ${files[*]}"

@@ -1,6 +1,9 @@
-"""Draw a UI-format workflow as a PNG with the workflow embedded, the way ComfyUI saves images.
+"""A UI-format workflow as a PNG with the workflow embedded, the way ComfyUI saves images.
 
     python scripts/workflow_png.py workflows/*.json     # writes workflows/<name>.png beside each
+
+An existing PNG keeps its picture (``scripts/screenshots.py`` takes real ones) and gets the
+workflow embedded again; a missing one (or ``--redraw``) gets the graph drawn here.
 
 The picture shows the nodes (title, widget values, sockets) and links; the PNG carries the workflow
 JSON in a ``workflow`` text chunk (ComfyUI's SaveImage writes the same key), so dragging the PNG
@@ -108,23 +111,39 @@ def render(workflow: dict):
     return img
 
 
-def write_png(workflow_path: Path, out: Path | None = None) -> Path:
+def save_with_workflow(image, workflow: dict, out: Path) -> Path:
+    """``image`` (Pillow) saved as the PNG ``out`` with ``workflow`` in its ``workflow`` text chunk."""
     from PIL.PngImagePlugin import PngInfo
 
-    workflow = json.loads(workflow_path.read_text(encoding="utf-8"))
     info = PngInfo()
     info.add_text("workflow", json.dumps(workflow, ensure_ascii=False, separators=(",", ":")))
-    out = out or workflow_path.with_suffix(".png")
-    render(workflow).save(out, pnginfo=info, optimize=True)
+    image.save(out, pnginfo=info, optimize=True)
     return out
+
+
+def write_png(workflow_path: Path, out: Path | None = None, *, redraw: bool = False) -> Path:
+    """The workflow's PNG with the workflow embedded. An existing PNG keeps its picture (the real
+    screenshot ``scripts/screenshots.py`` takes) and gets the current workflow; a missing one (or
+    ``redraw``) gets the drawn graph."""
+    from PIL import Image
+
+    workflow = json.loads(workflow_path.read_text(encoding="utf-8"))
+    out = out or workflow_path.with_suffix(".png")
+    if out.exists() and not redraw:
+        with Image.open(out) as old:
+            picture = old.convert("RGB")
+    else:
+        picture = render(workflow)
+    return save_with_workflow(picture, workflow, out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workflows", nargs="+", type=Path, help="UI-format workflow JSON files")
+    ap.add_argument("--redraw", action="store_true", help="draw the graph even where a PNG (a screenshot) exists")
     args = ap.parse_args(argv)
     for path in args.workflows:
-        print(f"wrote {write_png(path)}")
+        print(f"wrote {write_png(path, redraw=args.redraw)}")
     return 0
 
 
