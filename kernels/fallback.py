@@ -13,8 +13,8 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   output has 16384 columns or more), 64 output columns from 8192 outputs (nvfp4: from 16384),
   4 warps, 3 stages (nvfp4: 2), fitted to shared memory. Measured on an H100 (9B shapes, 1 and 4
   rows): wider K tiles spill the unpacked weights from registers (w4a4 12352x4096: 72 us at 1024
-  columns, 47 at 256; nvfp4: 999 us against 109), and stages barely matter (the tile is bound by
-  the unpacking arithmetic, not by memory latency).
+  columns, 47 at 256; nvfp4: 999 us against 109), and stages barely matter (by all signs the
+  unpacking arithmetic bounds the tile, not memory latency).
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
   SM for 8-bit weights, 2 for 16-bit) cuts K into the largest power of two of ranges that reaches
   it, at most 8 and at most one range per K tile.
