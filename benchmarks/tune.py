@@ -126,8 +126,8 @@ def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) 
     gen = torch.Generator(device="cuda").manual_seed(0)
     quant, out = kind != "float", []
     for name, n, k, ns, split in launches(size):
-        if name == "lm_head" and (quick or kind in FOUR_BIT):  # 4-bit files keep lm_head in 8 bits
-            continue
+        if name == "lm_head" and quick or kind in FOUR_BIT and name in ("lm_head", "MTP fc"):
+            continue  # a 4-bit file keeps lm_head and mtp.* as its source holds them
         nbytes = sum(r * k for r in ns) * {"float": 2, "quant": 1}.get(kind, 0.5)
         copies = max(2, -(-2 * max(record.l2, 32 << 20) // int(nbytes)))
         make, scales = _operands(kind, ns, k, gen)

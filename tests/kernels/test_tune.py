@@ -39,3 +39,24 @@ def test_every_size_lists_the_steps_products():
         assert names == ["DeltaNet inputs", "DeltaNet out_proj", "gate/up", "MLP down", "attention q/k/v",
                          "attention o_proj", "lm_head", "MTP fc"]
     assert [n for _, n, *_ in tune.launches("9b")][:1] == [12352]
+
+
+def test_four_bit_entries_are_their_own_kind_and_fit(tmp_path):
+    """A swept 4-bit launch becomes a ``w4a4`` / ``nvfp4`` entry that ``launch.gemv4`` reads, apart
+    from the int8 entry of the same shape; the 4-bit grid fits the shared memory it is given."""
+    rows = [dict(_row(12352, 4096, True, 1, False, ((32, 256, 4, 3), 1), 60.0,
+                      [{"config": [64, 256, 4, 3], "split": 1, "us": 47.0}]), kind=kind)
+            for kind in ("w4a4", "nvfp4")]
+    tries = tune.challengers(rows, 0.01)
+    assert set(tries) == {"w4a4 12352x4096 @1", "nvfp4 12352x4096 @1"}
+    path = tmp_path / "t.json"
+    taken = {"nvfp4 12352x4096 @1": {"config": [32, 128, 4, 2]}}
+    path.write_text(json.dumps({"launches": tune.table_entries(rows, taken)}))
+    with launch.pinned(path):
+        assert launch.gemv4(12352, 4096, "convrot_w4a4", 1, None)[0] == (32, 256, 4, 3)
+        assert launch.gemv4(12352, 4096, "nvfp4", 1, None)[0] == (32, 128, 4, 2)
+        assert launch.gemv(12352, 4096, True, 1, None)[0] != (32, 128, 4, 2)  # int8 keeps its own pick
+    for shared in (99 * 1024, 227 * 1024):
+        grid = tune.candidates4(4096, 4, shared, quick=False)
+        assert grid and all(4 * max(1, st - 1) * (bn * bk // 2 + 32 * bk) <= shared and bk <= 512
+                            for bn, bk, _, st in grid)
