@@ -131,3 +131,17 @@ def test_sampling_widgets_only_with_preset_custom(page, path):
     # hidden or shown, every widget keeps its value (a saved workflow's widgets_values stay in place)
     values = {w["name"]: w["value"] for w in now["widgets"] if w["name"] != "preset"}
     assert values == {name: w["value"] for name, w in shipped.items() if name != "preset"}
+
+
+def test_a_new_server_enhancer_follows_its_preset_too(page):
+    """The server enhancer, added from the node list (not in a shipped workflow): the same rule."""
+    node_id = page.evaluate("""() => {
+      const n = LiteGraph.createNode("Qwen35FastPromptEnhancerServer");
+      window.app.graph.add(n);
+      return n.id;
+    }""")
+    node = next(n for n in page.evaluate(GRAPH_STATE) if n["id"] == node_id)
+    assert [w["hidden"] for w in node["widgets"] if w["name"] in SAMPLING] == [True] * len(SAMPLING)
+    page.evaluate(SET_PRESET, [node_id, "custom"])
+    node = next(n for n in page.evaluate(GRAPH_STATE) if n["id"] == node_id)
+    assert [w["hidden"] for w in node["widgets"] if w["name"] in SAMPLING] == [False] * len(SAMPLING)
