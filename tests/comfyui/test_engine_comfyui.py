@@ -106,7 +106,7 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     interpreter. ``int8_convrot256``: ComfyUI's default group of 256 on a model 256 wide (head_dim 256),
     so the norm, SiLU and gate kernels and the DeltaNet step's gated norm rotate in their own tiles,
     and the products that feed a norm split over K (float32 partials summed by the norm); it reads
-    the weights as ``int8_convrot`` does, and its cost (about 4 minutes on 2 CPU cores) is the pack's
+    the weights as ``int8_convrot`` does, and its cost (about 2 minutes on 2 CPU cores) is the pack's
     kernels interpreted, so ``scripts/test_comfyui.sh`` runs it on one tree (``one_tree``). So do the
     fp8 cases (about a minute each): the newer trees are 0.29.0 with newer text-encoder files, and
     their fp8 loading (``quant_ops.py``, ``MixedPrecisionOps``) is 0.29.0's; ``float`` and
@@ -152,18 +152,20 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
             if getattr(m, "quant_format", None) in ("int8_tensorwise", fmt):
                 m._full_precision_mm = True  # the module path: ComfyUI dequantizes, then a float matmul
     emb = torch.randn(11, d["hidden_size"], generator=rng)
-    for mtp in ("off", 3):
-        kw = dict(do_sample=False, max_length=8 if wide else 12, mtp=mtp, stop_tokens=[],
-                  execution_dtype=torch.float32, attention="torch", cuda_graphs=False)
-        fused = generate(model, emb, **BIND, fused=True, **kw)
-        assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens, mtp
-    if wide:  # the producers' rotated outputs are used (the DeltaNet step's too): rotation launches only for lm_head
-        rotations, rotate = [], convrot_triton.hadamard_rotate
+    rotations, rotate = [], convrot_triton.hadamard_rotate
+    if wide:  # counted in the fused MTP-off generation below
         for mod in (gemv, deltanet_step, convrot_triton):
             monkeypatch.setattr(mod, "hadamard_rotate", lambda x, h: rotations.append(1) or rotate(x, h))
-        out = generate(model, emb, **BIND, fused=True, **dict(kw, mtp="off", max_length=5))
-        # per decode step lm_head's input; once more for the prompt's last row
-        assert len(rotations) == (len(out.tokens) - 1) + 1, len(rotations)
+    for mtp in ("off", 3):
+        kw = dict(do_sample=False, max_length=6 if wide else 8, mtp=mtp, stop_tokens=[],
+                  execution_dtype=torch.float32, attention="torch", cuda_graphs=False)
+        rotations.clear()
+        fused = generate(model, emb, **BIND, fused=True, **kw)
+        if wide and mtp == "off":
+            # the producers' rotated outputs are used (the DeltaNet step's too): rotation launches only
+            # for lm_head's input, per decode step and once more for the prompt's last row
+            assert len(rotations) == (len(fused.tokens) - 1) + 1, len(rotations)
+        assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens, mtp
 
 
 def _mixed_4bit(key: str) -> str:
