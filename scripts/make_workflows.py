@@ -187,7 +187,7 @@ def to_ui(graph: Graph, models: list[str], name: str) -> dict:
     workflow_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfyui-qwen35-fast/workflows/{name}"))
     return {"id": workflow_id, "revision": 0, "last_node_id": max(ids), "last_link_id": len(links), "nodes": nodes,
             "links": [lk[:6] for lk in links], "groups": [], "config": {},
-            "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+            "extra": {"ds": {"scale": 0.8, "offset": [100, 150]}}, "version": 0.4}
 
 
 def to_api(graph: Graph, keep: set[int] | None = None) -> dict:

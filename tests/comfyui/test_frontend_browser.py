@@ -114,6 +114,13 @@ def test_workflow_loads_clean(page, path):
         for b in nodes[i + 1:]:
             assert not _overlap(a["box"], b["box"]), f"{a['title']} {a['box']} overlaps {b['title']} {b['box']}"
     assert not page.page_errors, page.page_errors
+    # the saved view shows the graph's top-left node below the tabs and the canvas menu, right of the sidebar
+    x, y = page.evaluate("""() => {
+      const ds = window.app.canvas.ds, g = window.app.graph, nodes = g._nodes || g.nodes;
+      const x0 = Math.min(...nodes.map((n) => n.pos[0])), y0 = Math.min(...nodes.map((n) => n.pos[1]));
+      return [(x0 + ds.offset[0]) * ds.scale, (y0 - LiteGraph.NODE_TITLE_HEIGHT + ds.offset[1]) * ds.scale];
+    }""")
+    assert x >= 60 and y >= 90, (x, y)
 
 
 @pytest.mark.parametrize("path", [p for p in WORKFLOWS if "pe_" in p.stem], ids=lambda p: p.stem)
