@@ -7,8 +7,9 @@ positions, slots and ``properties.models`` (file names + download links), the AP
 nodes in ``{id: {class_type, inputs}}`` form. API twins only keep the text part of a graph
 (loader -> enhancer/generate -> text preview): the image half needs Qwen-Image 2.1 models. Each UI
 file ``<name>.json`` has its twin ``api/<name>_api.json`` and a picture ``<name>.png`` with the graph
-embedded (written when Pillow is installed). UI files carry a stable UUID ``id`` (the frontend's
-schema refuses ``null``) and a Note saying what to download.
+embedded (when Pillow is installed: the picture kept, a real screenshot from ``scripts/screenshots.py``,
+which also writes the ``<name>.jpg`` template thumbnail; drawn where none exists). UI files carry a
+stable UUID ``id`` (the frontend's schema refuses ``null``) and a Note saying what to download.
 """
 
 from __future__ import annotations
