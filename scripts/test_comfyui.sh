@@ -7,7 +7,6 @@
 # QWEN35_FAST_TREES limits the trees (e.g. "0.29.0 v5cache"). Tests marked one_tree (the pack's own
 # kernels under the Triton interpreter, minutes each, the same on every tree) run on the tree named by
 # QWEN35_FAST_ONE_TREE (default 0.29.0; "all" = every tree). Extra arguments go to every pytest run.
-# Trees run QWEN35_FAST_TREE_JOBS at a time (default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache="${QWEN35_FAST_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/qwen35-fast-ci}"
@@ -19,12 +18,7 @@ only="${QWEN35_FAST_TREES:-0.29.0 v3bias v5cache}"
 server="${QWEN35_FAST_SERVER_TREES:-v5cache}"
 one_tree="${QWEN35_FAST_ONE_TREE:-0.29.0}"
 [ "$server" = all ] && server="0.29.0 v3bias v5cache"
-# Trees run QWEN35_FAST_TREE_JOBS at a time (default 1: two at once took as long on the 2-core CI
-# machine, each run uses both cores); each tree's output is printed in one piece when it ends.
-jobs_max="${QWEN35_FAST_TREE_JOBS:-1}"
-logs="$(mktemp -d)"
-trap 'rm -rf "$logs"' EXIT
-labels=()
+status=0
 while read -r kind label tree extra; do
   [ "$kind" = tree ] || continue
   [[ " $only " == *" $label "* ]] || continue
@@ -35,22 +29,12 @@ while read -r kind label tree extra; do
   [ "$label" = 0.29.0 ] && files+=(tests/comfyui/test_pe_server.py tests/comfyui/test_frontend_browser.py)
   select=()
   [ "$one_tree" = all ] || [ "$one_tree" = "$label" ] || select=(-m "not one_tree")
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do sleep 1; done
-  labels+=("$label")
-  (
-    echo "=== ComfyUI $label ($tree): ${files[*]}"
-    start=$SECONDS
-    rc=0
-    PYTHONPATH="$pp" QWEN35_FAST_COMFYUI="$tree" QWEN35_FAST_COMFYUI_PYTHON="$python" \
-      "$python" -m pytest -q ${select[@]+"${select[@]}"} "${files[@]}" "$@" || rc=1
-    echo "=== ComfyUI $label: $((SECONDS - start)) s"
-    echo "$rc" > "$logs/$label.rc"
-  ) > "$logs/$label.log" 2>&1 &
+  echo "=== ComfyUI $label ($tree): ${files[*]}"
+  start=$SECONDS
+  if ! PYTHONPATH="$pp" QWEN35_FAST_COMFYUI="$tree" QWEN35_FAST_COMFYUI_PYTHON="$python" \
+      "$python" -m pytest -q ${select[@]+"${select[@]}"} "${files[@]}" "$@"; then
+    status=1
+  fi
+  echo "=== ComfyUI $label: $((SECONDS - start)) s"
 done <<<"$info"
-wait
-status=0
-for label in "${labels[@]}"; do
-  cat "$logs/$label.log"
-  [ "$(cat "$logs/$label.rc" 2>/dev/null)" = 0 ] || status=1
-done
 exit $status

@@ -60,7 +60,7 @@ def checkpoint(kind: str) -> str:
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / f"qwen35_08b_random_core_{kind}.safetensors"
     if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # unique: trees may build at once
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # unique: two runs may build at once
         save_file(_tensors(kind), str(tmp))
         tmp.rename(path)
     return str(path)
@@ -73,7 +73,7 @@ def head_file() -> str:
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / files.MTP_FILE
     if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # unique: trees may build at once
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # unique: two runs may build at once
         save_file(files._mtp_tensors(torch, 3), str(tmp))
         tmp.rename(path)
     return str(path)

@@ -204,7 +204,7 @@ def _build_files(cache: Path) -> Path:
     for name, make in jobs.items():
         path = cache / name
         if not path.exists():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # unique: trees may build at once
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # unique: two runs may build at once
             save_file(make(), str(tmp))
             tmp.rename(path)
     return cache
