@@ -21,7 +21,6 @@ import os
 import shutil
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,15 +29,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from workflow_png import save_with_workflow  # noqa: E402
 
-from tests.comfyui.test_comfyui_integration import (  # noqa: E402
-    PACK_DIR_NAME,
-    SHIPPED_PE,
-    _example_png,
-    _python,
-    running_comfyui,
-)
+from tests.comfyui.test_frontend_browser import frontend_page  # noqa: E402
 
-VIEW = (1600, 1000)
 THUMB_WIDTH = 640
 # Frames the pack's nodes and the text previews: their bounding box fitted into the canvas area
 # the frontend's bars leave free, at most at 100 %.
@@ -68,36 +60,16 @@ CLOSE_ERROR_COUNT = """() => {
 }"""
 
 
-def _empty_safetensors(path: Path) -> None:
-    path.write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
-
-
 def main() -> int:
     from PIL import Image
-    from playwright.sync_api import sync_playwright
+    from playwright import sync_api
 
     comfy = Path(os.environ["QWEN35_FAST_COMFYUI"]).resolve()
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         sys.exit("needs Chromium (Debian: apt install chromium)")
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp)
-        te = base / "models" / "text_encoders"
-        te.mkdir(parents=True)
-        for name in SHIPPED_PE:
-            _empty_safetensors(te / name)
-        (base / "custom_nodes").mkdir()
-        (base / "custom_nodes" / PACK_DIR_NAME).symlink_to(ROOT)
-        (base / "input").mkdir()
-        _example_png(comfy, base / "input" / "example.png")
-        env = dict(os.environ, QWEN35_FAST_COMFYUI_PYTHON=_python(comfy))
-        with running_comfyui(comfy, base, env) as srv, sync_playwright() as pw:
-            req = urllib.request.Request(f"{srv.base}/settings/Comfy.TutorialCompleted", data=b"true", method="POST")
-            urllib.request.urlopen(req, timeout=30).close()
-            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": VIEW[0], "height": VIEW[1]})
-            page.goto(srv.base, wait_until="networkidle")
-            page.wait_for_function("window.app && window.app.graph", timeout=120_000)
+        with frontend_page(comfy, Path(tmp), chromium, sync_api) as page:
             for path in sorted((ROOT / "workflows").glob("*.json")):
                 workflow = json.loads(path.read_text())
                 page.evaluate("(wf) => window.app.loadGraphData(wf)", workflow)
@@ -110,7 +82,6 @@ def main() -> int:
                 thumb = shot.resize((THUMB_WIDTH, round(shot.height * THUMB_WIDTH / shot.width)), Image.LANCZOS)
                 thumb.save(path.with_suffix(".jpg"), quality=85)
                 print(f"wrote {path.with_suffix('.png')} and {path.with_suffix('.jpg')}")
-            browser.close()
     return 0
 
 

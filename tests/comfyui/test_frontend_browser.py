@@ -11,6 +11,7 @@ them keeps every widget value in place. Skipped where Chromium or Playwright is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -64,11 +65,13 @@ def _empty_safetensors(path: Path) -> None:
     path.write_bytes(struct.pack("<Q", len(header)) + header)
 
 
-@pytest.fixture(scope="module")
-def page(tmp_path_factory):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright (pip install playwright)")
-    comfy = Path(COMFY).resolve()
-    base = tmp_path_factory.mktemp("frontend_base")
+@contextlib.contextmanager
+def frontend_page(comfy: Path, base: Path, chromium: str, sync_api):
+    """A real ComfyUI on the tree ``comfy`` (base directory ``base``, filled here: the pack alone, the
+    enhancer files listed as on a user's disk, ComfyUI's example picture) and a headless Chromium page
+    (1600x1000, Playwright's ``sync_api``) with its frontend loaded and no first-run template gallery;
+    the page's uncaught errors collect in ``page.page_errors``. The test below and
+    ``scripts/screenshots.py`` both use it."""
     te = base / "models" / "text_encoders"
     te.mkdir(parents=True)
     for name in SHIPPED_PE:  # listed by the loaders as on a user's disk; nothing is generated here
@@ -82,14 +85,23 @@ def page(tmp_path_factory):
         req = urllib.request.Request(f"{srv.base}/settings/Comfy.TutorialCompleted", data=b"true", method="POST")
         urllib.request.urlopen(req, timeout=30).close()  # no first-run template gallery over the canvas
         with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
             tab = browser.new_page(viewport={"width": 1600, "height": 1000})
             tab.page_errors = []
             tab.on("pageerror", lambda exc: tab.page_errors.append(str(exc)))
             tab.goto(srv.base, wait_until="networkidle")
             tab.wait_for_function("window.app && window.app.graph", timeout=120_000)
-            yield tab
-            browser.close()
+            try:
+                yield tab
+            finally:
+                browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright (pip install playwright)")
+    with frontend_page(Path(COMFY).resolve(), tmp_path_factory.mktemp("frontend_base"), CHROMIUM, sync_api) as tab:
+        yield tab
 
 
 def _load(page, path: Path) -> list[dict]:
