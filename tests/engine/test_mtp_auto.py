@@ -164,13 +164,20 @@ def _run(model, prompt, mtp, hook=None, n=96, prenorm=False):
     return generate(model, prompt, **kw)
 
 
-def test_auto_at_p0_settles_on_plain_steps(model, rng, stand_in):
-    stand_in()
+def _auto_against_off(model, rng, p: float, n: int):
+    """MTP off, then ``mtp="auto"`` with each draft right with probability ``p``, greedy on one random
+    prompt; auto's tokens must be off's. Returns ``(prompt, off, auto)``."""
     m, d = model
     prompt = torch.randn(5, d["hidden_size"], generator=rng)
-    off = _run(m, prompt, "off", n=64)
-    res = _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=64)
+    off = _run(m, prompt, "off", n=n)
+    res = _run(m, prompt, "auto", acceptance_hook(off.tokens, p, vocab=d["vocab_size"]), n=n)
     assert res.tokens == off.tokens
+    return prompt, off, res
+
+
+def test_auto_at_p0_settles_on_plain_steps(model, rng, stand_in):
+    stand_in()
+    _, _, res = _auto_against_off(model, rng, 0.0, 64)
     st = res.stats
     assert st.accepted == 0 and st.mtp_auto and st.mtp_depth == 5
     cycles = sum(n for k, n in st.mtp_depths.items() if k)
@@ -180,11 +187,7 @@ def test_auto_at_p0_settles_on_plain_steps(model, rng, stand_in):
 
 def test_auto_at_p1_goes_deep(model, rng, stand_in):
     stand_in()
-    m, d = model
-    prompt = torch.randn(5, d["hidden_size"], generator=rng)
-    off = _run(m, prompt, "off", n=64)
-    res = _run(m, prompt, "auto", acceptance_hook(off.tokens, 1.0, vocab=d["vocab_size"]), n=64)
-    assert res.tokens == off.tokens
+    _, _, res = _auto_against_off(model, rng, 1.0, 64)
     st = res.stats
     assert max(st.mtp_depths) == 5 and st.mtp_depths[5] >= 6 and 0 not in st.mtp_depths, st.mtp_depths
     assert st.mtp_acceptance == [1.0] * 5 and st.mtp_off is None
@@ -294,10 +297,7 @@ def test_shadow_probes_bring_drafting_back(model, rng, monkeypatch):
     book.last_depth = 0
     monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: book)
     m, d = model
-    prompt = torch.randn(5, d["hidden_size"], generator=rng)
-    off = _run(m, prompt, "off", n=120)
-    res = _run(m, prompt, "auto", acceptance_hook(off.tokens, 1.0, vocab=d["vocab_size"]), n=120)
-    assert res.tokens == off.tokens
+    prompt, off, res = _auto_against_off(model, rng, 1.0, 120)
     st = res.stats
     assert st.mtp_depths[0] == 2 * mtp_auto.FIRST_SEGMENT and st.mtp_depths.get(5, 0) >= 8, st.mtp_depths
     assert st.mtp_acceptance[:2] == [1.0, 1.0]
