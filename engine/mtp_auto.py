@@ -153,7 +153,6 @@ class DepthController:
         self._shadow_due = False
         #: tokens made so far in this generation; the room left (set by the caller, None: unknown)
         self.tokens, self.room = 0, None
-        self._ran = {self.depth}  # depths whose graphs this generation has (or captures first)
         self.off_reason = None if self.depth else (
             f"the last generation's drafts were rarely accepted: plain steps, probing every {self._segment} tokens")
 
@@ -205,13 +204,17 @@ class DepthController:
         h = max(HORIZON_MIN, self.tokens, self.costs.last_tokens - self.tokens)
         return h if self.room is None else min(h, self.room)
 
+    def captured(self, depth: int) -> bool:
+        """Whether this generation has ``depth``'s graphs: it ran there, or runs there now."""
+        return depth == self.depth or self.histogram[depth] > 0
+
     def worth(self, depth: int, a: list[float]) -> bool:
         """Whether running ``depth`` instead of the current depth pays: by ``HYSTERESIS``, and for a
         depth not yet run in this generation by more than its capture over ``horizon()`` tokens."""
         now, then = self.rate(self.depth, a), self.rate(depth, a)
         if then <= HYSTERESIS * now:
             return False
-        if depth in self._ran:
+        if self.captured(depth):
             return True
         h = self.horizon()
         return h / now - h / then > self.costs.capture()
@@ -221,7 +224,6 @@ class DepthController:
         best = self.best()
         if best != self.depth and self.worth(best, a):
             self.depth = best
-            self._ran.add(best)
         if self.depth == 0:
             self.off_reason = (f"drafts were rarely accepted (estimated {100 * a[1]:.0f}% at the first position): "
                                f"plain steps, probing every {self._segment} tokens")
@@ -229,10 +231,9 @@ class DepthController:
               and a[self.depth] >= 0.5):
             self._since_deeper = 0
             deeper = self.depth + 1
-            if deeper in self._ran or self.horizon() * (1 / self.rate(self.depth, a) - 1 / self.rate(deeper, a)) \
+            if self.captured(deeper) or self.horizon() * (1 / self.rate(self.depth, a) - 1 / self.rate(deeper, a)) \
                     > self.costs.capture():
                 self._next = deeper
-                self._ran.add(deeper)
 
     # ------------------------------------------------------------------ observations
     def _observe(self, depth: int, accepted: int) -> None:
@@ -250,7 +251,6 @@ class DepthController:
         self._observe(depth, accepted)
         self.histogram[depth] += 1
         self.tokens += accepted + 1
-        self._ran.add(depth)
         self._since_deeper += 1
         if seconds is not None:
             self.costs.add(depth, seconds)
@@ -263,7 +263,6 @@ class DepthController:
         shadow probe is due after it (``shadow_depth``)."""
         self.histogram[0] += tokens
         self.tokens += tokens
-        self._ran.add(0)
         if seconds_per_token is not None:
             self.costs.add(0, seconds_per_token)
         self._shadow_due = True
