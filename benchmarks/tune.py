@@ -88,8 +88,9 @@ def candidates4(k: int, weights: int, shared: int, quick: bool) -> list[tuple[in
         for bk in (128, 256, 512):
             for warps in (4,) if quick else (2, 4, 8):
                 for stages in (2, 3, 4):
-                    if bk <= max(64, k) and weights * max(1, stages - 1) * (bn * bk // 2 + 32 * bk) <= shared:
-                        out.append((bn, bk, warps, stages))
+                    cfg = (bn, bk, warps, stages)
+                    if bk <= max(64, k) and fallback.gemv4_shared(cfg, weights, 2) <= shared:
+                        out.append(cfg)
     return out
 
 

@@ -42,6 +42,14 @@ def gemv_shared(config: tuple[int, ...], weights: int, w_bytes: int, x_bytes: in
     return (1 if sliced else weights) * max(1, stages - 1) * per
 
 
+def gemv4_shared(config: tuple[int, ...], weights: int, x_bytes: int = 2) -> int:
+    """Shared memory a 4-bit GEMV launch needs (``gemv4.py``; BLOCK_K in weight columns): per weight
+    of the group, ``stages - 1`` buffers of the packed tile (BLOCK_N * BLOCK_K / 2 bytes) and x's
+    even and odd 16-row tiles."""
+    block_n, block_k, _, stages = config[:4]
+    return weights * max(1, stages - 1) * (block_n * block_k // 2 + 16 * block_k * x_bytes)
+
+
 def gemv_config(n: int, k: int, quant: bool, rows: int, record: DeviceRecord | None, weights: int = 1,
                 x_bytes: int = 2) -> tuple[int, ...]:
     """(BLOCK_N, BLOCK_K, warps, stages[, K slices]) for ``n`` output columns in all over width ``k``,
@@ -70,8 +78,7 @@ def gemv4_config(n: int, k: int, rows: int, record: DeviceRecord | None, weights
                  x_bytes: int = 2, fmt: str = "convrot_w4a4") -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of a 4-bit GEMV (``gemv4.py``; BLOCK_K in weight columns)
     of ``fmt`` (``convrot_w4a4`` or ``nvfp4``): the rule in the module docstring, then fitted to the
-    block's shared memory (per stage: BLOCK_N * BLOCK_K / 2 weight bytes and x's even and odd
-    16-row tiles), fewer stages first, then narrower K tiles down to 64."""
+    block's shared memory (``gemv4_shared``), fewer stages first, then narrower K tiles down to 64."""
     nv = fmt == "nvfp4"
     block_n = 64 if n >= (16384 if nv else 8192) else 32
     block_k = 128 if nv and n >= 16384 else 256
@@ -79,7 +86,7 @@ def gemv4_config(n: int, k: int, rows: int, record: DeviceRecord | None, weights
     warps, stages = 4, 2 if nv else 3
     if record is None:
         return block_n, block_k, warps, stages
-    while weights * max(1, stages - 1) * (block_n * block_k // 2 + 16 * block_k * x_bytes) > record.shared:
+    while gemv4_shared((block_n, block_k, warps, stages), weights, x_bytes) > record.shared:
         if stages > 2:
             stages -= 1
         elif block_k > 64:
