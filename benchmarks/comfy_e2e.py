@@ -59,6 +59,8 @@ row's; ``compare``).
 ``--accept P ...``: only MTP off, fixed depths 1..5 and ``mtp="auto"`` with drafts kept with
 probability P, greedy and sampled (``benchmarks/mtp_accept.py``; ``--repeat`` runs each P's rows
 again, interleaved).
+``--no-triton``: the whole run with ``import triton`` failing (``benchmarks/without_triton.py``), as
+on a Windows ComfyUI without triton-windows; its rows are named ``<kind>-notriton``.
 ``--timeline``: the GPU timeline of a token (``benchmarks/timeline.py``), pack and pack-plain (and forced3 and
 forced3-plain when ``--kinds`` names forced3: per token is per verify step / 4).
 
@@ -95,6 +97,7 @@ from qwen35_fast.engine import Qwen35Config  # noqa: E402
 from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from benchmarks.decode_e2e import build_model, config_9b  # noqa: E402
 from benchmarks.memory_peak import PeakProbe  # noqa: E402
+from benchmarks.without_triton import hidden as triton_hidden  # noqa: E402
 
 log = logging.getLogger("comfy_e2e")
 HF = "model.language_model."
@@ -301,7 +304,10 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     rows = []
     meta = {}  # the prompt's token count, once its embeddings exist
 
+    suffix = "-notriton" if triton_hidden() else ""
+
     def row(kind, max_length, tok_s, **extra):
+        kind += suffix
         r = {"format": fmt, "kind": kind, "max_length": max_length, "tok_s": tok_s, **meta,
              "ms_per_token": 1e3 / tok_s, "peak_gb": peak_gb(), "floor_ms": floor_ms,
              "floor_pct": 100 * floor_ms * tok_s / 1e3, **clock.last, **extra}
@@ -317,6 +323,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                       flush=True)
 
     def first_use(kind, last):
+        kind += suffix
         rows.append({"format": fmt, "kind": kind, "tokens": 32, **last})
         print(f"{fmt:>5} {kind}: 32 tokens in {last['wall_s']:.2f} s (kernels compiled unless Triton's cache "
               f"had them, graphs captured)", flush=True)
@@ -641,6 +648,9 @@ def main() -> None:
                     help="instead of the rows above: MTP off, depths 1..5 and auto with each draft kept with "
                          "probability P (benchmarks/mtp_accept.py), at the first --max-lengths, --tokens tokens")
     ap.add_argument("--accept-modes", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"])
+    ap.add_argument("--no-triton", action="store_true",
+                    help="run with `import triton` failing, as a Windows ComfyUI without triton-windows "
+                         "(benchmarks/without_triton.py); rows are named <kind>-notriton")
     ap.add_argument("--json", default="comfy_e2e.json")
     ap.add_argument("--report", metavar="JSON", help="print the README table of a saved run and exit")
     args = ap.parse_args()
@@ -649,6 +659,9 @@ def main() -> None:
         return
     if not args.comfyui:
         ap.error("--comfyui is required")
+    if args.no_triton and not triton_hidden():  # this process imported torch: start again with Triton hidden
+        wrapper = Path(__file__).with_name("without_triton.py")
+        os.execv(sys.executable, [sys.executable, str(wrapper), str(Path(__file__).resolve()), *sys.argv[1:]])
     mtp_kinds = sorted({"forced3", "mtp-sampled"} & set(args.kinds))
     if args.loader == "core" and mtp_kinds:
         ap.error(f"--loader core loads no MTP head: drop {' '.join(mtp_kinds)} from --kinds")
@@ -660,7 +673,8 @@ def main() -> None:
     bw = copy_bandwidth() if torch.cuda.is_available() else 0.0
     run = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "comfyui": _comfy_version(args.comfyui), "copy_bw_Bps": bw,
-           "prompt": args.prompt, "size": args.size, "dynamic": args.dynamic, "loader": args.loader, "rows": []}
+           "prompt": args.prompt, "size": args.size, "dynamic": args.dynamic, "loader": args.loader,
+           "triton": not triton_hidden(), "rows": []}
     for fmt in args.formats:
         path = Path(args.dir) / f"qwen35_{args.size}_{fmt}.safetensors"
         if not path.exists():

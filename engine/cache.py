@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import bucket_end
 from .errors import Qwen35Error
 
 _IN_PLACE_DISCARD = ("commit(0) after a fused step: its last row's DeltaNet state is already written over the "
@@ -133,6 +134,11 @@ class KVCache:
         if n:
             self.length.sub_(n)
             self.host_length -= n
+
+    def span(self) -> int:
+        """The slots the bucketed decode attention reads (``decode_attention(span=)``): the filled
+        ones (committed + staged) rounded up to a bucket (``kernels.bucket_end``), a host count."""
+        return bucket_end(self.host_length + self.staged, self.capacity)
 
     def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the filled slots (committed + staged): k, v ``[B,Hkv,L,D]``."""
@@ -344,6 +350,11 @@ class ModelCache:
             if isinstance(st, KVCache) and st.host_length + rows > st.capacity:
                 raise Qwen35Error(f"KV cache overflow: {st.host_length} filled + {rows} new rows > capacity "
                                   f"{st.capacity}; allocate the cache for prompt + max_length (+ MTP depth + 1)")
+
+    def span(self, part: str, rows: int) -> int:
+        """``KVCache.span`` of ``part`` ("main" or "mtp") once ``rows`` more rows are staged there."""
+        kv = self._part(part)[0] if part == "mtp" else self._first_kv
+        return bucket_end(kv.host_length + kv.staged + rows, kv.capacity)
 
     def save_staged(self, part: str) -> tuple:
         """What a forward over ``part`` staged (host side), for ``restore_staged`` after a replay."""

@@ -200,7 +200,8 @@ class Runner:
         k = apply_rope(attn.k_norm(k).transpose(1, 2), cos, sin)
         lengths = kv.write(k, v)
         if s <= MAX_DECODE_ROWS and d in HEAD_DIMS:
-            o = decode_attention(q.contiguous(), kv.k, kv.v, lengths, causal=True, backend=self.attention)
+            o = decode_attention(q.contiguous(), kv.k, kv.v, lengths, causal=True, backend=self.attention,
+                                 span=kv.span())
         else:
             o = prefix_attention(q, *kv.filled())
         o = o.transpose(1, 2).reshape(b, s, hq * d) * torch.sigmoid(gate)

@@ -303,7 +303,7 @@ class FusedPlan:
         backends count the rows first."""
         name = resolve_backend(q, q.shape[-1] ** -0.5) if backend == "auto" else backend
         if name != "triton":
-            o = decode_attention(q, kv.k, kv.v, kv.count(), causal=True, backend=backend)
+            o = decode_attention(q, kv.k, kv.v, kv.count(), causal=True, backend=backend, span=kv.span())
             return self.gate_out(o_proj, o, gate)
         scale, pending = q.shape[-1] ** -0.5, kv.uncounted
         why = ATTENTION_BACKENDS["triton"].reason(q, scale) if backend == "triton" else None

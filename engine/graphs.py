@@ -9,9 +9,15 @@ states, for ``mtp="auto"``'s plain steps), and ``mtp+row`` (the MTP catch-up ove
 ``speculative.catch_up``) the pick of its kept row on the device; the host bookkeeping the
 eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
 replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
-the graph lives (a GraphRunner lives for one generation): when a projection still runs through a
-module that casts or offloads per call, or the attention backend is not graph-safe,
-``graph_blocker`` names the reason and generation runs eagerly (said once).
+the graph lives (a GraphRunner lives for one generation, so a reload, an unload or a patch between
+generations is seen by the next one's ``graph_blocker``): when a module still called in the step
+streams its weights in or patches them per call, lives off the GPU, or the attention backend is not
+graph-safe, ``graph_blocker`` names the reason and generation runs eagerly (said once). A module
+that casts a resident weight per call (ComfyUI's ``comfy_cast_weights``) is captured: the replay
+casts the same storage again. Without the fused kernels (no Triton) the whole module path is
+captured this way. A bucketed attention backend (``kernels.bucket_end``) reads a span fixed at
+capture, so its graphs are kept per (kind, rows, span). A capture that fails turns graphs off for
+this process and path, said once with the reason (``cuda_graphs=True``: the error propagates).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 
 import torch
 
-from ..kernels import ATTENTION_BACKENDS, MAX_DECODE_ROWS, resolve_backend
+from ..kernels import ATTENTION_BACKENDS, MAX_DECODE_ROWS, attention_torch, resolve_backend, say_once
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,24 @@ def _modules(binding):
         yield binding.mtp
 
 
+#: ``failure_key`` -> why a capture failed there (graphs stay off for that key in this process).
+_CAPTURE_FAILED: dict[tuple, str] = {}
+
+
+def failure_key(device: torch.device, dtype: torch.dtype, attention: str, plan=None) -> tuple:
+    """What decides which operations a step captures: the device, dtype, attention and the path."""
+    return str(device), dtype, attention, "modules" if plan is None else plan.describe()
+
+
+def resolved_backend(binding, device: torch.device, dtype: torch.dtype, attention: str) -> str:
+    """The decode-attention backend ``attention`` ("auto" or a name) runs as for this model here."""
+    if attention != "auto":
+        return attention
+    cfg = binding.config
+    q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
+    return resolve_backend(q, cfg.head_dim ** -0.5)
+
+
 def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: str, plan=None) -> str | None:
     """None when decode steps can be captured, else the reason (one line). With a fused ``plan``, a
     step calls no module but the projections the plan did not read in place (norms, convs and the
@@ -39,13 +63,18 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     plan, the same holds for every module of the model."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (running on {device.type})"
-    dev = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    cfg = binding.config
-    if attention == "auto":
-        q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
-        attention = resolve_backend(q, cfg.head_dim ** -0.5)
-    if not ATTENTION_BACKENDS[attention].graph_safe:
-        return f"the '{attention}' attention backend syncs with the host"
+    dev = _indexed(device)
+    failed = _CAPTURE_FAILED.get(failure_key(dev, dtype, attention, plan))
+    if failed is not None:
+        return failed
+    backend = resolved_backend(binding, device, dtype, attention)
+    if not ATTENTION_BACKENDS[backend].graph_safe:
+        return f"the '{backend}' attention backend syncs with the host"
+    return module_blocker(binding, dev, plan)
+
+
+def module_blocker(binding, dev: torch.device, plan=None) -> str | None:
+    """``graph_blocker``'s check of the modules a step calls on ``dev`` (any device type)."""
     if plan is not None:
         for name, mod in plan.unresolved_modules.items():
             why = binding.weights.module_call_reason(mod) or _off_device(mod, dev)
@@ -63,6 +92,13 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     return None
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index (the current device's when ``device`` names none); others as given."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _off_device(module, dev: torch.device) -> str | None:
     for name, p in module.named_parameters():
         if p.device != dev:
@@ -77,7 +113,7 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for every capture. With a new stream per capture, allocated VRAM
     rose 0.41 GB over the first 20 generations of a soak (cuBLAS keeps a workspace per stream, the
     likely cause); with one shared stream it stayed flat over 200."""
-    dev = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    dev = _indexed(device)
     if dev not in _STREAMS:
         _STREAMS[dev] = torch.cuda.Stream(dev)
     return _STREAMS[dev]
@@ -94,14 +130,18 @@ class GraphRunner:
     """Drop-in for ``Runner`` whose ``forward``, ``forward_logits``, ``mtp_forward`` and
     ``mtp_logits`` (S <= 8 rows) replay CUDA graphs."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, *, required: bool = False):
         self.runner = runner
         self.cache = runner.cache
         self.device = runner.device
         self.dtype = runner.dtype
         self.binding = runner.binding
+        self.required = required  # a failed capture raises instead of turning graphs off
+        backend = resolved_backend(runner.binding, runner.device, runner.dtype, runner.attention)
+        self._bucketed = ATTENTION_BACKENDS[backend].bucketed
+        self._failed: str | None = None
         # One private memory pool per graph: a replay never overwrites another graph's outputs.
-        self._graphs: dict[tuple[str, int], _Graph] = {}
+        self._graphs: dict[tuple[str, int, int | None], _Graph] = {}
 
     # ------------------------------------------------------------------ public (Runner API)
     def forward(self, x: torch.Tensor, pos: torch.Tensor, *, keep_rows: bool = True):
@@ -143,6 +183,28 @@ class GraphRunner:
         return self._run("mtp+logits", hidden, pos, emb)
 
     # ------------------------------------------------------------------ internals
+    def _keep(self, key: tuple, g: _Graph) -> None:
+        """Store a new graph; with a bucketed backend drop this kind's graphs of spans more than one
+        bucket below (a generation's span only grows, but for an MTP rollback across a bucket edge)."""
+        kind, rows, span = key
+        if span is not None:
+            for old in [k for k in self._graphs if k[:2] == (kind, rows) and k[2] < span - attention_torch.BUCKET]:
+                del self._graphs[old]
+        self._graphs[key] = g
+
+    def _give_up(self, kind: str, rows: int, exc: Exception, inputs):
+        """After a failed capture: graphs off for this runner and, through ``graph_blocker``, for this
+        path in this process (said once); this step and the rest run eagerly."""
+        first = str(exc).strip().splitlines()
+        why = (f"capturing the {kind} {rows}-row step failed ({type(exc).__name__}: "
+               f"{first[0] if first else ''}); please report this with your torch and GPU")
+        self._failed = why
+        self._graphs.clear()
+        runner = self.runner
+        _CAPTURE_FAILED[failure_key(_indexed(self.device), self.dtype, runner.attention, runner.fused)] = why
+        say_once(log, f"Qwen3.5 decode runs without CUDA graphs (slower): {why}")
+        return self._eager(kind, inputs)
+
     def _eager(self, kind: str, inputs):
         if kind == "mtp":
             return (self.runner.mtp_forward(inputs[0], inputs[2], inputs[1]),)
@@ -179,13 +241,26 @@ class GraphRunner:
 
     def _run(self, kind: str, x: torch.Tensor, pos: torch.Tensor, *more: torch.Tensor):
         rows = x.shape[1]
-        self.cache.check_room(kind.split("+")[0], rows)
+        part = kind.split("+")[0]
+        self.cache.check_room(part, rows)
         inputs = (x, pos, *more)
-        key = (kind, rows)
+        if self._failed is not None:
+            return self._eager(kind, inputs)
+        span = self.cache.span(part, rows) if self._bucketed else None
+        key = (kind, rows, span)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._capture(kind, inputs)
-            log.info("captured the %s %d-row step as a CUDA graph", kind, rows)
+            try:
+                g = self._capture(kind, inputs)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any capture fault turns graphs off, said once
+                if self.required:
+                    raise
+                return self._give_up(kind, rows, exc, inputs)
+            self._keep(key, g)
+            log.info("captured the %s %d-row step as a CUDA graph%s", kind, rows,
+                     "" if span is None else f" (attention over {span} slots)")
         for dst, src in zip(g.inputs, inputs):
             if src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.stride() != dst.stride():
                 dst.copy_(src)  # else the same tensor: main+token's last token is already in place

@@ -105,7 +105,7 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     ``trial_step`` (1 row and ``verify_rows``, the MTP verify's rows); if that fails, "auto" runs
     the modules instead and says why once. Qwen35Error when something required cannot run (the
     attention backend, fused=True, cuda_graphs=True)."""
-    attention_backend(attention, binding.config, dtype, device)
+    backend = attention_backend(attention, binding.config, dtype, device)
     cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
                        fill=cache_fill)
     plan, no_plan = fused_plan(fused, binding, device, dtype)
@@ -139,9 +139,9 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
             say_once(log, f"Qwen3.5 decode kernels launch one after another (1-3% slower on an H200): {pdl}; "
                           "install Triton 3.4 or newer")
         overlap = "on" if pdl is None else f"off ({pdl})"
-        log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s, overlapped launches %s", plan.describe(),
-                 on, overlap)
+        log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s, overlapped launches %s, attention '%s'",
+                 plan.describe(), on, overlap, backend)
     else:
-        log.info("Qwen3.5 decode path: every layer through its module calls (no fused kernels: %s), CUDA graphs %s",
-                 no_plan, on)
-    return GraphRunner(runner) if graphs else runner
+        log.info("Qwen3.5 decode path: every layer through its module calls (no fused kernels: %s), CUDA graphs %s, "
+                 "attention '%s'", no_plan, on, backend)
+    return GraphRunner(runner, required=cuda_graphs is True) if graphs else runner

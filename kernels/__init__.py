@@ -7,6 +7,7 @@ runs, the fused decode ops (``fused_ops.py``, torch twins ``*_torch`` inside) an
 DeltaNet step (``deltanet_step.py``; its torch twin is ``engine.deltanet``).
 """
 
+from . import attention_torch
 from .attention import (
     ATTENTION_BACKENDS,
     ATTENTION_CHOICES,
@@ -17,15 +18,18 @@ from .attention import (
     decode_attention,
     resolve_backend,
 )
+from .attention_torch import bucket_end
 from .capabilities import interpreting, say_once, triton_device_reason, triton_module, triton_reason
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "ATTENTION_CHOICES",
+    "attention_torch",
     "HEAD_DIMS",
     "MAX_DECODE_ROWS",
     "AttentionBackend",
     "backend_reason",
+    "bucket_end",
     "decode_attention",
     "interpreting",
     "resolve_backend",

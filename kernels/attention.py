@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import torch
 
+from . import attention_torch
 from .attention_kitchen import kitchen_decode_attention, kitchen_reason
-from .attention_torch import masked_decode_attention, torch_decode_attention
+from .attention_torch import bucket_decode_attention, masked_decode_attention, torch_decode_attention
 from .capabilities import say_once, triton_module, triton_reason
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class AttentionBackend(NamedTuple):
     function: Callable
     reason: Callable[[torch.Tensor, float], str | None]
     graph_safe: bool
+    bucketed: bool = False
 
 
 def _triton_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float):
@@ -53,6 +55,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "triton": AttentionBackend(_triton_attention, lambda q, scale: triton_reason(q.device), True),
     "kitchen": AttentionBackend(_kitchen_attention, kitchen_reason, True),
     "torch": AttentionBackend(torch_decode_attention, _always, False),
+    "bucket": AttentionBackend(bucket_decode_attention, _always, True, bucketed=True),
     "masked": AttentionBackend(masked_decode_attention, _always, True),
 }
 #: What callers may ask for: "auto" (see ``resolve_backend``) or a backend of the table.
@@ -106,7 +109,8 @@ def resolve_backend(q: torch.Tensor, scale: float) -> str:
     """The backend ``"auto"`` uses for this shape/dtype/device (decided once, logged once).
 
     Preference: triton (flat in capacity, fastest in our benchmark), then kitchen where its native
-    kernel applies, then torch. ``"masked"`` is never chosen.
+    kernel applies, then on a GPU bucket (graph-safe), on the CPU torch (no graphs there, and it
+    reads exactly the filled slots). ``"masked"`` is never chosen.
     """
     key = (q.device.type, q.dtype, tuple(q.shape[1:]), round(scale, 12))
     choice = _AUTO_CHOICE.get(key)
@@ -118,12 +122,14 @@ def resolve_backend(q: torch.Tensor, scale: float) -> str:
         choice = "triton"
     else:
         k_why = backend_reason("kitchen", q, scale)
-        choice = "kitchen" if k_why is None else "torch"
+        choice = "kitchen" if k_why is None else "torch" if on_cpu else "bucket"
         if not on_cpu:
             say_once(log, f"decode_attention: Triton kernel unavailable ({t_why}); using '{choice}'"
-                      + ("" if choice == "kitchen" else f" (kitchen: {k_why})")
-                      + ". Cost still follows the filled length; the torch path syncs with the host "
-                      "and cannot be captured in CUDA graphs.")
+                      + ("" if choice == "kitchen" else
+                         f" (kitchen: {k_why}): torch SDPA over the filled length rounded up to "
+                         f"{attention_torch.BUCKET} slots")
+                      + ". Cost follows the filled length, not the capacity, and the step can be captured "
+                      "in CUDA graphs.")
     _AUTO_CHOICE[key] = choice
     log.info("decode_attention: backend 'auto' -> '%s' for q %s %s on %s", choice,
              tuple(q.shape[1:]), q.dtype, q.device.type)
@@ -132,7 +138,7 @@ def resolve_backend(q: torch.Tensor, scale: float) -> str:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, causal: bool = True, scale: float | None = None,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", span: int | None = None) -> torch.Tensor:
     """Attention of S new query rows over a fixed-capacity KV cache whose cost follows the filled length.
 
     q ``[B,Hq,S,D]``; k_cache, v_cache ``[B,Hkv,C,D]``; lengths int32 ``[B]`` on q's device = filled
@@ -142,6 +148,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns ``[B,Hq,S,D]`` contiguous in q's dtype; a row that sees no slot is zeros. ``scale``
     defaults to ``D**-0.5``. Slots at or past the visible limit are never read by the
     length-aware backends (``triton``, ``kitchen``, ``torch``), so their content does not matter.
+    ``span`` (a host count, for the bucketed backend; the others ignore it): every length is at
+    most ``span`` and, when it comes from ``attention_torch.bucket_end`` of the filled slots, more
+    than ``span - BUCKET``; the bucketed backend then reads slots ``< span`` only and zeroes the
+    unfilled ones of the last ``BUCKET`` in place. Without ``span`` it reads (and zeroes the
+    unfilled slots of) the whole capacity.
     """
     _check(q, k_cache, v_cache, lengths)
     if backend not in ATTENTION_CHOICES:
@@ -154,4 +165,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         why = entry.reason(q, scale)
         if why is not None:
             raise ValueError(f"backend='triton' cannot run: {why}; use backend='auto'")
+    if entry.bucketed:
+        end = k_cache.shape[2] if span is None else min(span, k_cache.shape[2])
+        stale_from = 0 if span is None else max(0, end - attention_torch.BUCKET)
+        return entry.function(q, k_cache[:, :, :end], v_cache[:, :, :end], lengths, causal, scale,
+                              stale_from=stale_from)
     return entry.function(q, k_cache, v_cache, lengths, causal, scale)

@@ -1,14 +1,24 @@
-"""Torch backends of decode attention: the length-aware reference and the capacity-bound baseline.
+"""Torch backends of decode attention: the length-aware reference, the bucketed graph-safe one and
+the capacity-bound baseline.
 
 ``torch_decode_attention`` reads only the filled slots (it syncs the lengths to the host, so it is
-not CUDA-graph safe). ``masked_decode_attention`` reproduces what ComfyUI does today: grouped q.K
-over the whole capacity, an additive bias that hides the empty tail, fp32 softmax, then .V. It is
-kept for A/B benchmarks only and is never chosen by ``backend="auto"``.
+not CUDA-graph safe). ``bucket_decode_attention`` reads the slots up to a host-known span, the
+filled length rounded up to ``BUCKET`` slots (``bucket_end``): no host sync, so a CUDA graph
+captured for one span serves every length inside it, and the cost follows the filled length in
+steps of ``BUCKET``, never the capacity (the GPU path without Triton or kitchen's decode kernel).
+``masked_decode_attention`` reproduces what ComfyUI does today: grouped q.K over the whole
+capacity, an additive bias that hides the empty tail, fp32 softmax, then .V. It is kept for A/B
+benchmarks only and is never chosen by ``backend="auto"``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+#: Slots per step of the bucketed attention's span (``bucket_end``): about 4 MB of a 9B layer's
+#: K and V (bf16, 4 KV heads of 256), a few per cent of a token's weight read at most.
+BUCKET = 1024
 
 
 def visible_limits(lengths: torch.Tensor, capacity: int, s: int, causal: bool) -> torch.Tensor:
@@ -51,6 +61,39 @@ def torch_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: fl
         o = torch.matmul(p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
         out[b] = o.reshape(hq, s, d)
     return out.to(q.dtype)
+
+
+def bucket_end(filled: int, capacity: int) -> int:
+    """The span the bucketed attention reads: ``filled`` (committed + staged slots, a host count)
+    rounded up to a multiple of ``BUCKET``, at most ``capacity``, at least one bucket's worth."""
+    return min(capacity, -(-max(filled, 1) // BUCKET) * BUCKET)
+
+
+def bucket_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float, *, stale_from: int = 0):
+    """Graph-safe, length-aware in steps. q ``[B,Hq,S,D]``, caches ``[B,Hkv,N,D]`` cut by the caller
+    to a span N >= every length (``bucket_end``) -> ``[B,Hq,S,D]`` in q's dtype.
+
+    Slots at or past ``lengths[b]`` in ``[stale_from, N)`` are set to zero in both caches (in place:
+    nothing reads an unfilled slot's content, and this keeps a NaN there out of the product with
+    the values); slots before ``stale_from`` must be filled. SDPA over the N slots then runs with
+    a boolean mask of each row's visible slots (q grouped per kv head, no K/V repeat), its
+    softmax in float32. Rows that see no slot are zeros. No host sync.
+    """
+    b_sz, hq, s, d = q.shape
+    hkv, span = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    lens = lengths.to(torch.int64).view(b_sz, 1)
+    if stale_from < span:
+        stale = (torch.arange(stale_from, span, device=q.device).view(1, -1) >= lens).view(b_sz, 1, -1, 1)
+        k_cache[:, :, stale_from:].masked_fill_(stale, 0)
+        v_cache[:, :, stale_from:].masked_fill_(stale, 0)
+    limits = visible_limits(lengths, span, s, causal)  # [B, S]
+    visible = torch.arange(span, device=q.device).view(1, 1, span) < limits.unsqueeze(-1)  # [B, S, N]
+    mask = visible.unsqueeze(1).expand(b_sz, g, s, span).reshape(b_sz, 1, g * s, span)
+    qg = q.reshape(b_sz, hkv, g * s, d)  # rows ordered (head in group, s), as the mask's
+    out = F.scaled_dot_product_attention(qg, k_cache, v_cache, attn_mask=mask, scale=scale).reshape(b_sz, hq, s, d)
+    empty = (limits <= 0).view(b_sz, 1, s, 1)
+    return torch.where(empty, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
 def masked_decode_attention(q, k_cache, v_cache, lengths, causal: bool, scale: float):

@@ -174,10 +174,11 @@ class Resolver:
     ``engine.plain_weights.StandaloneWeights`` for the contract)."""
 
     def module_call_reason(self, module) -> str | None:
-        """Why calling this ComfyUI module inside a CUDA graph is unsafe: its call goes through
-        ComfyUI's cast / offload machinery (host work, streams, per-call buffers)."""
-        if getattr(module, "comfy_cast_weights", False):
-            return "ComfyUI casts its weights in the module call"
+        """Why calling this ComfyUI module inside a CUDA graph is unsafe: ComfyUI streams its weights
+        in or patches them per call (``per_call_work``). ``comfy_cast_weights`` alone is no reason:
+        for a weight already on the call's device ``cast_bias_weight`` takes no offload stream and
+        does no host work, and a dtype cast it does is device work that a replay repeats on the same
+        storage (``graph_blocker`` checks that the weights are on the device)."""
         return per_call_work(module)
 
     def tensor_reason(self, module, device: torch.device) -> str | None:

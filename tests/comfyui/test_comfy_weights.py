@@ -77,7 +77,37 @@ def test_dense_read_in_place_despite_the_flags():
     mod = dense_linear()
     plain, why = Resolver().linear(mod, CPU, BF16)
     assert why is None and plain.weight.data_ptr() == mod.weight.data_ptr()
-    assert Resolver().module_call_reason(mod) == "ComfyUI casts its weights in the module call"
+    assert Resolver().module_call_reason(mod) is None  # a resident weight's cast is replayed by a graph
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int8", "dtype"])
+def test_graph_guards_of_the_module_path(fmt):
+    """Without the fused kernels a graph captures every module call. A resident model whose modules
+    merely may cast (``comfy_cast_weights``, a bf16 weight called in float32 included) can be
+    captured; a patch (LoRA), DynamicVRAM streaming, lowvram patches or an unload (weights off the
+    GPU) each stop it, with the reason; a reload (new, resident storage) can be captured again."""
+    from qwen35_fast.engine.graphs import module_blocker
+
+    def model():
+        mods = [int8_linear()[0] if fmt == "int8" else dense_linear(torch.float16 if fmt == "dtype" else BF16)
+                for _ in range(3)]
+        return types.SimpleNamespace(transformer=torch.nn.Sequential(*mods), mtp=None, weights=Resolver())
+
+    binding = model()
+    assert module_blocker(binding, CPU) is None
+    layer = binding.transformer[1]
+    layer.weight_function = [lambda w: w]
+    assert "1: it has per-call weight patches (LoRA or hooks)" == module_blocker(binding, CPU)
+    layer.weight_function = []
+    layer._v = object()
+    assert "DynamicVRAM" in module_blocker(binding, CPU)
+    del layer._v
+    layer.weight_lowvram_function = object()
+    assert "lowvram" in module_blocker(binding, CPU)
+    del layer.weight_lowvram_function
+    layer.weight = torch.nn.Parameter(torch.empty(4, 16, dtype=BF16, device="meta"), requires_grad=False)
+    assert "lives on meta, not cpu" in module_blocker(binding, CPU)  # unloaded
+    assert module_blocker(model(), CPU) is None  # reloaded
 
 
 @pytest.mark.parametrize("case, expect", [

@@ -16,6 +16,7 @@ models loaded by ComfyUI's own loader (``comfy.sd.load_clip`` through the pack's
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 from pathlib import Path
@@ -98,6 +99,63 @@ def test_fast_path_chosen_and_equal_to_module_path(comfy, checkpoints, caplog, f
         else:  # bf16 rounds differently in a GEMV and in ComfyUI's matmul: the first decode step agrees
             assert fast.tokens[:2] == module.tokens[:2], (fmt, dtype, fast.tokens, module.tokens)
     comfy.model_management.unload_all_models()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_without_triton_graphs_equal_the_triton_path(comfy, checkpoints, tmp_path, fmt):
+    """With ``import triton`` failing (a fresh process through ``benchmarks/without_triton.py``, as on a
+    Windows ComfyUI without triton-windows), the module path runs in CUDA graphs with a graph-safe
+    attention (kitchen's decode kernel or the bucketed one) and gives, in float32, the tokens of the
+    eager module path there and of the Triton path here, MTP off and on."""
+    import subprocess
+    import sys
+
+    from qwen35_fast.engine import generate
+    from qwen35_fast.patches import comfy_bridge as bridge
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "notriton.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "without_triton.py"),
+                    str(root / "tests" / "comfyui" / "notriton_child.py"), COMFY, str(checkpoints[fmt]), str(out)],
+                   check=True, cwd=root, timeout=900)
+    child = json.loads(out.read_text())
+    for name in ("graphs", "graphs_mtp3", "graphs_bf16"):
+        path = child[name]["path"]
+        assert "every layer through its module calls" in path and "CUDA graphs on" in path, (name, path)
+        assert "attention 'bucket'" in path or "attention 'kitchen'" in path, path
+        assert not child[name]["warnings"], child[name]["warnings"]
+    assert child["graphs"]["tokens"] == child["eager"]["tokens"] == child["graphs_mtp3"]["tokens"]
+    clip = _load(checkpoints[fmt])
+    target = bridge.find_qwen35(clip)
+    comfy.model_management.load_models_gpu([clip.patcher], force_full_load=True)
+    embeds, _ = bridge.prompt_embeds(target, clip.tokenize("a lighthouse on a cliff at dusk, " * 12),
+                                     comfy.model_management.get_torch_device())
+    triton = generate(target.transformer, embeds, execution_dtype=torch.float32, mtp="off", max_length=32,
+                      stop_tokens=[], weight_cast=bridge.comfy_weight_cast, weights=bridge.WEIGHTS, **GREEDY)
+    assert child["graphs"]["tokens"] == triton.tokens
+    comfy.model_management.unload_all_models()
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "no-triton"])
+def test_budget_run(tmp_path, triton):
+    """``benchmarks/budget_run.py`` at a small scale (0.8B int8, a 4 GB budget, a 3 GB stand-in image
+    model), with and without Triton: no out-of-memory, ComfyUI had to offload the text encoder for
+    the stand-in (the two never fit together), and the enhancer's tokens after it equal the first run's."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "budget.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "budget_run.py"), "--comfyui", COMFY, "--size", "0.8b",
+           "--budget-gb", "4", "--standin-gb", "3", "--max-length", "4096", "--tokens", "24", "--prompt", "200",
+           "--dir", str(tmp_path), "--json", str(out)] + ([] if triton else ["--no-triton"])
+    subprocess.run(cmd, check=True, cwd=root, timeout=900)
+    result = json.loads(out.read_text())
+    assert result["tokens_equal"] and result["triton"] == triton, result
+    assert result["peak_gb"] <= 4.0
+    assert sum(m["gpu_gb"] for m in result["loaded_after_standin"]) <= 4.0, result["loaded_after_standin"]
+    first, again = result["runs"]
+    assert first["loaded"] and again["tok_s"] > 0
 
 
 def test_soak_inside_comfyui(comfy, checkpoints, caplog):

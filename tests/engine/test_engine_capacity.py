@@ -92,3 +92,18 @@ def test_triton_backend_in_the_engine(model, rng):
     got = generate(m, prompt, do_sample=False, max_length=8, mtp=3, attention="triton", stop_tokens=[],
                    cache_fill=math.nan)
     assert got.tokens == want.tokens and got.stats.attention_backend == "triton"
+
+
+@pytest.mark.parametrize("kw", [dict(do_sample=False, mtp="off"), dict(do_sample=False, mtp=3),
+                                dict(do_sample=True, seed=5, mtp=2, top_k=10, presence_penalty=0.5)])
+def test_bucketed_backend_in_the_engine(model, rng, monkeypatch, kw):
+    """The bucketed attention (the GPU path without Triton or kitchen), over spans of 8 slots that a
+    generation crosses several times, with NaN in every unfilled slot: the torch path's tokens."""
+    from qwen35_fast.kernels import attention_torch
+
+    monkeypatch.setattr(attention_torch, "BUCKET", 8)
+    m, d = model
+    prompt = torch.randn(6, d["hidden_size"], generator=rng)
+    want = generate(m, prompt, max_length=30, stop_tokens=[], attention="torch", **kw)
+    got = generate(m, prompt, max_length=30, stop_tokens=[], attention="bucket", cache_fill=math.nan, **kw)
+    assert got.tokens == want.tokens and got.stats.attention_backend == "bucket"

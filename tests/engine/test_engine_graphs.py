@@ -153,3 +153,110 @@ def test_auto_depth_switches_in_graphs(tmp_path, dtype, test_seed):
                        cuda_graphs=graphs, mtp_draft=phased_hook(off.tokens, d["vocab_size"], seed=3))
         assert res.tokens == off.tokens, graphs
         assert 0 in res.stats.mtp_depths and max(res.stats.mtp_depths) >= 3, res.stats.mtp_depths
+
+
+@gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_bucketed_attention_graphs_equal_eager(tmp_path, test_seed, monkeypatch, caplog, fused):
+    """The path without Triton's attention: the bucketed backend in CUDA graphs (the module path, and
+    the fused one) gives the eager torch path's tokens in float32, MTP off and on, over a generation
+    that crosses several spans (a bucket of 16 slots here), with NaN in every unfilled slot."""
+    import logging
+
+    from qwen35_fast.kernels import attention_torch
+
+    monkeypatch.setattr(attention_torch, "BUCKET", 16)
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda")
+    prompt = torch.randn(1, 23, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    caplog.set_level(logging.INFO, logger="qwen35_fast.engine.graphs")
+    for mtp in ("off", 3):
+        kw = dict(do_sample=False, max_length=60, stop_tokens=[], mtp=mtp, cache_fill=float("nan"))
+        eager = generate(model, prompt, fused=False, cuda_graphs=False, attention="torch", **kw)
+        caplog.clear()
+        graph = generate(model, prompt, fused=fused, cuda_graphs=True, attention="bucket", **kw)
+        assert graph.tokens == eager.tokens, (mtp, fused, seed)
+        spans = {r.getMessage().rsplit("over ", 1)[1] for r in caplog.records if "attention over" in r.getMessage()}
+        assert len(spans) >= 3, spans  # 23 + 60 slots: spans 32, 48, 64, 80, 96
+
+
+@gpu
+def test_module_path_captures_comfy_style_casts(tmp_path, test_seed):
+    """Without the fused kernels the whole module path is captured, also where a module casts its
+    weight per call (here every Linear is called in float32 with bf16 weights, as ComfyUI's cast
+    does): the graphs' tokens equal the eager module path's."""
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda")
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.weight.data = mod.weight.data.to(torch.bfloat16)
+            mod.forward = lambda x, m=mod: torch.nn.functional.linear(x, m.weight.to(x.dtype), m.bias)
+    prompt = torch.randn(1, 17, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    kw = dict(do_sample=False, max_length=40, stop_tokens=[], fused=False, execution_dtype=torch.float32)
+    for mtp in ("off", 3):
+        eager = generate(model, prompt, mtp=mtp, cuda_graphs=False, **kw)
+        graph = generate(model, prompt, mtp=mtp, cuda_graphs=True, **kw)
+        assert graph.tokens == eager.tokens, mtp
+
+
+def test_a_failed_capture_runs_eagerly_and_says_so(tmp_path, test_seed, monkeypatch, caplog):
+    """A capture that raises (an operation that syncs with the host, say) turns graphs off for the
+    runner and, through graph_blocker, for this path in this process: the step runs eagerly, with
+    the same outputs, said once; with cuda_graphs=True it raises."""
+    import logging
+
+    from qwen35_fast.engine import graphs
+    from qwen35_fast.engine.cache import ModelCache
+    from qwen35_fast.engine.forward import Runner
+
+    model, d = _model(tmp_path, test_seed % 1000, "cpu")
+    b = bind(model)
+
+    def fail(self, kind, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing [test]")
+
+    monkeypatch.setattr(graphs.GraphRunner, "_capture", fail)
+    monkeypatch.setattr(graphs, "_CAPTURE_FAILED", {})
+    x = torch.randn(1, 1, d["hidden_size"])
+    pos = torch.zeros(3, 1, dtype=torch.int64)
+
+    def runner():
+        cache = ModelCache(b.config, batch=1, capacity=8, dtype=torch.float32, device="cpu")
+        return Runner(b, cache, dtype=torch.float32, device="cpu", attention="torch")
+
+    expect = runner().forward_logits(x, pos)[2]
+    caplog.set_level(logging.WARNING)
+    g = graphs.GraphRunner(runner())
+    for _ in range(2):
+        assert torch.equal(g.forward_logits(x, pos)[2], expect)
+        g.cache.discard()
+    warned = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
+    assert len(warned) == 1 and "main+logits 1-row step failed (RuntimeError: operation not permitted" in warned[0]
+    failed = graphs._CAPTURE_FAILED[graphs.failure_key(torch.device("cpu"), torch.float32, "torch")]
+    assert failed in warned[0]
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        graphs.GraphRunner(runner(), required=True).forward_logits(x, pos)
+
+
+def test_bucketed_graphs_are_kept_per_span(tmp_path, test_seed, monkeypatch):
+    """A bucketed backend's graphs are keyed by span (the filled slots after the step, rounded up to
+    a bucket); a new span drops the same kind's graphs more than one bucket below it (an MTP
+    rollback can cross back one bucket edge, never two)."""
+    from qwen35_fast.engine import graphs
+    from qwen35_fast.engine.cache import ModelCache
+    from qwen35_fast.engine.forward import Runner
+    from qwen35_fast.kernels import attention_torch
+
+    monkeypatch.setattr(attention_torch, "BUCKET", 4)
+    model, d = _model(tmp_path, test_seed % 1000, "cpu")
+    b = bind(model)
+    cache = ModelCache(b.config, batch=1, capacity=40, dtype=torch.float32, device="cpu")
+    assert [cache.span("main", r) for r in (1, 4, 5)] == [4, 4, 8]
+    g = graphs.GraphRunner(Runner(b, cache, dtype=torch.float32, device="cpu", attention="bucket"))
+    seen = []
+    for span in (4, 4, 8, 12, 16, 8):
+        g._keep(("main", 1, span), graphs._Graph(None, [], (), None))
+        g._keep(("mtp", 1, 4), graphs._Graph(None, [], (), None))  # another kind: kept
+        seen.append(sorted(k[2] for k in g._graphs if k[0] == "main"))
+    assert seen == [[4], [4], [4, 8], [8, 12], [12, 16], [8, 12, 16]]
+    assert ("mtp", 1, 4) in g._graphs

@@ -7,7 +7,7 @@ import torch
 from qwen35_fast.kernels import attention_triton as td
 from qwen35_fast.kernels import decode_attention
 
-LENGTH_AWARE = ("torch", "triton")
+LENGTH_AWARE = ("torch", "triton", "bucket")  # bucket without a span: it zeroes the unfilled slots first
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
 
@@ -53,7 +53,7 @@ SHAPES = [  # B, Hq, Hkv, S, D, C
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "masked"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "masked", "bucket"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_backend_matches_float64(rng, backend, dtype, shape):
@@ -67,7 +67,7 @@ def test_backend_matches_float64(rng, backend, dtype, shape):
         assert err < TOL[dtype], (backend, causal, lengths.tolist(), err)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "masked"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "masked", "bucket"])
 def test_edge_lengths(rng, backend):
     """Lengths 0, 1, S, C-1, C, past C and negative (clamped), odd values, in one batch."""
     s, cap = 4, 131
@@ -98,6 +98,42 @@ def test_poisoned_tail_never_read(rng, backend, dtype):
     poisoned = decode_attention(q, k, v, lengths, backend=backend)
     assert torch.equal(clean, poisoned)
     assert torch.isfinite(poisoned).all()
+
+
+def test_bucket_end_rounds_up_to_a_bucket(monkeypatch):
+    from qwen35_fast.kernels import attention_torch, bucket_end
+
+    monkeypatch.setattr(attention_torch, "BUCKET", 16)
+    cases = {(0, 100): 16, (1, 100): 16, (16, 100): 16, (17, 100): 32, (95, 100): 96, (97, 100): 100,
+             (100, 100): 100, (5, 8): 8}
+    assert {key: bucket_end(*key) for key in cases} == cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bucket_reads_its_span_only(rng, monkeypatch, dtype):
+    """With a span from ``bucket_end``, the bucketed backend equals the float64 reference whatever
+    the unfilled slots hold (NaN before and past the span's end); it never touches a slot past the
+    span nor a filled one, and zeroes the unfilled ones of its last bucket."""
+    from qwen35_fast.kernels import attention_torch, bucket_end
+
+    monkeypatch.setattr(attention_torch, "BUCKET", 16)
+    s, cap = 3, 120
+    q, k, v = make(rng, 3, 8, 2, s, 64, cap, dtype)
+    lengths = torch.tensor([40, 33, 45], dtype=torch.int32)
+    ref = reference_f64(q, k, v, lengths, True)
+    for b, length in enumerate(lengths.tolist()):
+        k[b, :, length:] = float("nan")
+        v[b, :, length:] = float("nan")
+    before_k, before_v = k.clone(), v.clone()
+    span = bucket_end(45, cap)
+    assert span == 48
+    out = decode_attention(q, k, v, lengths, backend="bucket", span=span)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < TOL[dtype]
+    for b, length in enumerate(lengths.tolist()):
+        for cache, before in ((k, before_k), (v, before_v)):
+            assert torch.equal(cache[b, :, :length], before[b, :, :length])  # filled slots untouched
+            assert (cache[b, :, length:span] == 0).all()  # its unfilled slots, zeroed
+            assert torch.isnan(cache[b, :, span:]).all()  # past the span: never touched
 
 
 def test_poison_catches_masked(rng):
@@ -210,7 +246,7 @@ def _gpu_backends(q):
     from qwen35_fast.kernels.attention_kitchen import kitchen_reason
 
     return ["triton", "torch", "masked"] + (["kitchen"] if kitchen_reason(q, q.shape[-1] ** -0.5) is None
-                                            else [])
+                                            else []) + ["bucket"]  # last: it zeroes unfilled slots
 
 
 @gpu
@@ -260,6 +296,32 @@ def test_gpu_graph_replay_with_new_lengths():
             eager = decode_attention(q, k, v, lengths, backend=backend)
             assert torch.equal(out, eager), (backend, length)
             assert rel_err(out, reference_f64_gpu(q, k, v, [length], True)) <= 1e-2
+
+
+@gpu
+def test_gpu_bucket_graph_replays_inside_its_span():
+    """One graph of the bucketed backend, captured for a span, serves every length inside it (a
+    9B-shaped bf16 cache holding NaN in its unfilled slots)."""
+    from qwen35_fast.kernels import attention_torch, bucket_end
+
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    cap, s = 9000, 4
+    q, k, v = make(gen, 1, 16, 4, s, 256, cap, torch.bfloat16)
+    span = bucket_end(5000, cap)
+    lengths = torch.tensor([span - attention_torch.BUCKET + 1], dtype=torch.int32, device="cuda")
+    decode_attention(q, k, v, lengths, backend="bucket", span=span)  # warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, lengths, backend="bucket", span=span)
+    for length in (span - attention_torch.BUCKET + 1, 5000, span - 1, span):
+        lengths.fill_(length)
+        k[:, :, length:] = float("nan")
+        v[:, :, length:] = float("nan")
+        q.normal_(generator=gen)
+        graph.replay()
+        ref = reference_f64_gpu(q, k, v, [length], True)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= 1e-2, length
 
 
 @gpu
