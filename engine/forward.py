@@ -17,6 +17,8 @@ from .binding import Qwen35Binding
 from .cache import DeltaNetState, KVCache, ModelCache
 from .deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
 from .fused import FusedPlan
+from .int8_rows import int8_rows, int8_rows_ok
+from .plain_weights import PlainLinear
 from .rope import Rope, apply_rope
 
 #: Longest input whose DeltaNet rows run one by one (longer inputs use the chunked form).
@@ -55,6 +57,12 @@ class Runner:
         cfg = self.cfg
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, self.device)
         self._consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Module path: (N, K) of int8 weights whose several-row products ``int8_rows`` computes instead
+        # of the module (``GraphRunner`` adds a shape whose module call failed a capture); the
+        # module of the last call that raised; each module's int8 weight read in place, or None.
+        self.int8_shapes: set[tuple[int, int]] = set()
+        self.failed_module = None
+        self._int8: dict[int, PlainLinear | None] = {}
         for i, layer in enumerate(binding.layers):
             if cfg.layer_types[i] == "linear_attention":
                 la = layer.linear_attn
@@ -80,7 +88,7 @@ class Runner:
             else:
                 mixed = self._attention(layer.self_attn, xn, state, cos, sin)
             x = x + mixed
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return self.binding.transformer.norm(x), x
 
     def _fused_tables(self, pos: torch.Tensor):
@@ -181,21 +189,51 @@ class Runner:
             xn, x = plan.norm("mtp.layers.0.post_attention_layernorm", x, mixed)
             return plan.norm("mtp.norm", x, plan.mlp("mtp", xn))[0]
         cos, sin = self.rope.tables(pos)
-        x = head.fc(torch.cat([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = self._lin(head.fc, torch.cat([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)], dim=-1))
         layer = head.layers[0]
         x = x + self._attention(layer.self_attn, layer.input_layernorm(x), self.cache.mtp, cos, sin)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
         return head.norm(x)
+
+    # ------------------------------------------------------------------ module calls
+    def _lin(self, module, x: torch.Tensor) -> torch.Tensor:
+        """A projection of the module path: the module's own call, but a product of several rows
+        whose int8 weight shape is in ``int8_shapes`` goes to ``int8_rows`` (the same weight, read in
+        place). A call that raises is remembered (``failed_module``) for ``GraphRunner``."""
+        if self.int8_shapes and x.shape[0] * x.shape[1] > 1:
+            plain = self.int8_weight(module)
+            if plain is not None and tuple(plain.weight.shape) in self.int8_shapes:
+                return int8_rows(x, plain)
+        try:
+            return module(x)
+        except Exception:
+            self.failed_module = module
+            raise
+
+    def _mlp(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))`` through ``_lin`` (``act``: the module's, ComfyUI's MLP names
+        it; SiLU otherwise)."""
+        act = getattr(mlp, "activation", F.silu)
+        return self._lin(mlp.down_proj, act(self._lin(mlp.gate_proj, x)) * self._lin(mlp.up_proj, x))
+
+    def int8_weight(self, module) -> PlainLinear | None:
+        """The module's int8 weight as the binding's weight hook reads it in place, when
+        ``int8_rows`` can use it; else None (once per module)."""
+        key = id(module)
+        if key not in self._int8:
+            plain, _ = self.binding.weights.linear(module, self.device, self.dtype)
+            self._int8[key] = plain if int8_rows_ok(plain) else None
+        return self._int8[key]
 
     # ------------------------------------------------------------------ mixers
     def _attention(self, attn, xn: torch.Tensor, kv: KVCache, cos, sin) -> torch.Tensor:
         cfg = self.cfg
         b, s, _ = xn.shape
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        qg = attn.q_proj(xn).view(b, s, hq, 2 * d)
+        qg = self._lin(attn.q_proj, xn).view(b, s, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(b, s, hq * d)
-        k = attn.k_proj(xn).view(b, s, hkv, d)
-        v = attn.v_proj(xn).view(b, s, hkv, d).transpose(1, 2)
+        k = self._lin(attn.k_proj, xn).view(b, s, hkv, d)
+        v = self._lin(attn.v_proj, xn).view(b, s, hkv, d).transpose(1, 2)
         q = apply_rope(attn.q_norm(q).transpose(1, 2), cos, sin)
         k = apply_rope(attn.k_norm(k).transpose(1, 2), cos, sin)
         lengths = kv.write(k, v)
@@ -205,16 +243,16 @@ class Runner:
         else:
             o = prefix_attention(q, *kv.filled())
         o = o.transpose(1, 2).reshape(b, s, hq * d) * torch.sigmoid(gate)
-        return attn.o_proj(o)
+        return self._lin(attn.o_proj, o)
 
     def _deltanet(self, index: int, la, xn: torch.Tensor, state: DeltaNetState, keep_rows: bool) -> torch.Tensor:
         cfg = self.cfg
         b, s, _ = xn.shape
         kernel = cfg.conv_kernel_size
-        qkv = la.in_proj_qkv(xn)
-        z = la.in_proj_z(xn)
-        beta_in = la.in_proj_b(xn)
-        a_in = la.in_proj_a(xn)
+        qkv = self._lin(la.in_proj_qkv, xn)
+        z = self._lin(la.in_proj_z, xn)
+        beta_in = self._lin(la.in_proj_b, xn)
+        a_in = self._lin(la.in_proj_a, xn)
         window = torch.cat([state.conv.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
         mixed = F.silu(la.conv1d(window)[..., kernel - 1:kernel - 1 + s]).transpose(1, 2)
         q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
@@ -234,4 +272,4 @@ class Runner:
         state.stage(states, window, s)
         dv = cfg.linear_value_head_dim
         o = la.norm(out.to(xn.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, cfg.value_dim)
-        return la.out_proj(o)
+        return self._lin(la.out_proj, o)

@@ -16,8 +16,13 @@ graph-safe, ``graph_blocker`` names the reason and generation runs eagerly (said
 that casts a resident weight per call (ComfyUI's ``comfy_cast_weights``) is captured: the replay
 casts the same storage again. Without the fused kernels (no Triton) the whole module path is
 captured this way. A bucketed attention backend (``kernels.bucket_end``) reads a span fixed at
-capture, so its graphs are kept per (kind, rows, span). A capture that fails turns graphs off for
-this process and path, said once with the reason (``cuda_graphs=True``: the error propagates).
+capture, so its graphs are kept per (kind, rows, span). When a capture fails inside a module call of
+several rows over an int8 weight the hook reads in place (comfy-kitchen 0.2.24's int8 product of 2-8
+rows at K = 12288 cannot be captured on Hopper), that weight shape's several-row products go to
+``int8_rows`` (torch's int8 matmul on the same weights) and the capture is tried again; a step whose
+capture still fails runs eagerly from then on in this process, said once with the reason, while the
+other steps stay in graphs. A failed capture puts the CUDA random generator's state back (it would
+refuse every later draw otherwise). ``cuda_graphs=True``: the error propagates.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import logging
 import torch
 
 from ..kernels import ATTENTION_BACKENDS, MAX_DECODE_ROWS, attention_torch, resolve_backend, say_once
+from .errors import Qwen35Error
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +43,12 @@ def _modules(binding):
         yield binding.mtp
 
 
-#: ``failure_key`` -> why a capture failed there (graphs stay off for that key in this process).
-_CAPTURE_FAILED: dict[tuple, str] = {}
+#: ``failure_key`` -> {(kind, rows): why its capture failed}: those steps run eagerly in this process.
+_CAPTURE_FAILED: dict[tuple, dict[tuple[str, int], str]] = {}
+#: ``failure_key`` -> int8 weight shapes whose several-row products go to ``int8_rows`` in graphs.
+_REROUTED: dict[tuple, set[tuple[int, int]]] = {}
+#: Most weight shapes one capture reroutes before it runs eagerly.
+REROUTES = 4
 
 
 def failure_key(device: torch.device, dtype: torch.dtype, attention: str, plan=None) -> tuple:
@@ -64,9 +74,6 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (running on {device.type})"
     dev = _indexed(device)
-    failed = _CAPTURE_FAILED.get(failure_key(dev, dtype, attention, plan))
-    if failed is not None:
-        return failed
     backend = resolved_backend(binding, device, dtype, attention)
     if not ATTENTION_BACKENDS[backend].graph_safe:
         return f"the '{backend}' attention backend syncs with the host"
@@ -97,6 +104,20 @@ def _indexed(device: torch.device) -> torch.device:
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _rng_state(device: torch.device):
+    """A copy of the device's default CUDA generator state (None where torch cannot copy it)."""
+    gen = torch.cuda.default_generators[_indexed(device).index]
+    return gen.clone_state() if hasattr(gen, "clone_state") else None
+
+
+def _put_rng_state(device: torch.device, state) -> None:
+    """Put back ``_rng_state``'s copy: a capture that failed leaves the generator registered with
+    it, and every later CUDA random draw of the process would fail ("Offset increment outside graph
+    capture encountered unexpectedly")."""
+    if state is not None:
+        torch.cuda.default_generators[_indexed(device).index].graphsafe_set_state(state)
 
 
 def _off_device(module, dev: torch.device) -> str | None:
@@ -139,7 +160,11 @@ class GraphRunner:
         self.required = required  # a failed capture raises instead of turning graphs off
         backend = resolved_backend(runner.binding, runner.device, runner.dtype, runner.attention)
         self._bucketed = ATTENTION_BACKENDS[backend].bucketed
-        self._failed: str | None = None
+        # Steps whose capture failed on this path in this process: they run eagerly; the int8 weight
+        # shapes whose several-row module calls failed a capture (``Runner.int8_shapes``), kept too.
+        key = failure_key(_indexed(self.device), self.dtype, runner.attention, runner.fused)
+        self._failed = _CAPTURE_FAILED.setdefault(key, {})
+        runner.int8_shapes = _REROUTED.setdefault(key, set())
         # One private memory pool per graph: a replay never overwrites another graph's outputs.
         self._graphs: dict[tuple[str, int, int | None], _Graph] = {}
 
@@ -192,17 +217,42 @@ class GraphRunner:
                 del self._graphs[old]
         self._graphs[key] = g
 
+    def _capture_or_reroute(self, kind: str, inputs) -> _Graph | Exception:
+        """``_capture``, or the exception it failed with. When the failure was a module call of
+        several rows over an int8 weight the hook reads in place, that weight shape's products of
+        several rows go to ``int8_rows`` from then on (in this process, on this path; said once)
+        and the capture is tried again (at most ``REROUTES`` times)."""
+        runner, rows = self.runner, inputs[0].shape[1]
+        for _ in range(REROUTES + 1):
+            runner.failed_module = None
+            try:
+                return self._capture(kind, inputs)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any capture fault: reroute, else run eagerly
+                if self.required:
+                    raise
+                failed = exc
+            plain = None if runner.failed_module is None or rows < 2 else runner.int8_weight(runner.failed_module)
+            shape = None if plain is None else tuple(plain.weight.shape)
+            if shape is None or shape in runner.int8_shapes:
+                break
+            runner.int8_shapes.add(shape)
+            say_once(log, f"Qwen3.5: ComfyUI's int8 product of several rows at {shape[0]}x{shape[1]} cannot be "
+                          f"captured in a CUDA graph here ({type(failed).__name__}: "
+                          f"{str(failed).strip().splitlines()[0] if str(failed).strip() else ''}); those rows "
+                          "read the same int8 weights through torch's int8 matmul instead")
+        return failed
+
     def _give_up(self, kind: str, rows: int, exc: Exception, inputs):
-        """After a failed capture: graphs off for this runner and, through ``graph_blocker``, for this
-        path in this process (said once); this step and the rest run eagerly."""
+        """After a failed capture: this step runs eagerly, now and for the rest of the process on
+        this path (said once); the other steps keep their graphs."""
         first = str(exc).strip().splitlines()
         why = (f"capturing the {kind} {rows}-row step failed ({type(exc).__name__}: "
-               f"{first[0] if first else ''}); please report this with your torch and GPU")
-        self._failed = why
-        self._graphs.clear()
-        runner = self.runner
-        _CAPTURE_FAILED[failure_key(_indexed(self.device), self.dtype, runner.attention, runner.fused)] = why
-        say_once(log, f"Qwen3.5 decode runs without CUDA graphs (slower): {why}")
+               f"{first[0] if first else ''})")
+        self._failed[(kind, rows)] = why
+        say_once(log, f"Qwen3.5 decode runs these steps without CUDA graphs (slower): {why}; the other steps "
+                      "stay in graphs. Please report this with your torch, comfy-kitchen and GPU")
         return self._eager(kind, inputs)
 
     def _eager(self, kind: str, inputs):
@@ -229,11 +279,13 @@ class GraphRunner:
             self._eager(kind, static)  # compiles kernels, allocates lazily built constants
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        rng = _rng_state(self.device)
         try:
             with torch.cuda.graph(graph):
                 outputs = self._eager(kind, static)
         except Exception:
             self.cache.drop_staged(part, lengths_moved=False)
+            _put_rng_state(self.device, rng)
             raise
         staged = self.cache.save_staged(part)
         self.cache.drop_staged(part, lengths_moved=False)
@@ -244,20 +296,17 @@ class GraphRunner:
         part = kind.split("+")[0]
         self.cache.check_room(part, rows)
         inputs = (x, pos, *more)
-        if self._failed is not None:
+        if (kind, rows) in self._failed:
+            if self.required:
+                raise Qwen35Error(f"cuda_graphs=True but {self._failed[(kind, rows)]}; use cuda_graphs='auto'")
             return self._eager(kind, inputs)
         span = self.cache.span(part, rows) if self._bucketed else None
         key = (kind, rows, span)
         g = self._graphs.get(key)
         if g is None:
-            try:
-                g = self._capture(kind, inputs)
-            except torch.cuda.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - any capture fault turns graphs off, said once
-                if self.required:
-                    raise
-                return self._give_up(kind, rows, exc, inputs)
+            g = self._capture_or_reroute(kind, inputs)
+            if not isinstance(g, _Graph):
+                return self._give_up(kind, rows, g, inputs)
             self._keep(key, g)
             log.info("captured the %s %d-row step as a CUDA graph%s", kind, rows,
                      "" if span is None else f" (attention over {span} slots)")

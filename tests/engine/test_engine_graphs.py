@@ -69,8 +69,9 @@ def test_graph_steps_equal_eager(tmp_path, dtype, test_seed):
 @gpu
 def test_graph_steps_capture_the_output_projection(tmp_path, test_seed, monkeypatch):
     """Decode, draft and verify logits come out of the graphs: outside a capture the output
-    projection runs only for the prefill's last row and, with MTP, the first draft over the prompt
-    rows (too many for a graph), never once per step."""
+    projection runs only for the prefill's last row, never once per step (with MTP the head's first
+    catch-up over the prompt rows runs in decode-row pieces, ``speculative.draft``, its draft's
+    logits in a graph too)."""
     from qwen35_fast.engine import graphs
     from qwen35_fast.engine.binding import Qwen35Binding
 
@@ -94,7 +95,7 @@ def test_graph_steps_capture_the_output_projection(tmp_path, test_seed, monkeypa
 
     monkeypatch.setattr(graphs.GraphRunner, "_capture", capture)
     monkeypatch.setattr(Qwen35Binding, "logits", logits)
-    for mtp, expected in (("off", [1]), (3, [1, 1])):
+    for mtp, expected in (("off", [1]), (3, [1])):
         eager_rows.clear()
         out = generate(model, prompt, do_sample=False, max_length=40, stop_tokens=[], mtp=mtp, cuda_graphs=True)
         assert len(out.tokens) == 40 and out.stats.steps > 10
@@ -138,11 +139,16 @@ def test_fused_path_equals_torch_path_gpu(tmp_path, test_seed):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_auto_depth_switches_in_graphs(tmp_path, dtype, test_seed):
+def test_auto_depth_switches_in_graphs(tmp_path, dtype, test_seed, monkeypatch):
     """``mtp="auto"`` through deep drafting, plain segments (the ``main+tokenh`` graph keeping each
-    step's hidden state for the head's catch-up) and back, with graphs: the MTP-off tokens."""
-    from tests.engine.test_mtp_auto import phased_hook
+    step's hidden state for the head's catch-up) and back, with graphs: the MTP-off tokens. The
+    depths follow the CPU tests' stand-in cycle costs: with this tiny model's real costs (launch
+    bound) depth 1 can rightly beat plain steps even when no draft is kept."""
+    from qwen35_fast.engine import generation
 
+    from tests.engine.test_mtp_auto import StandIn, phased_hook
+
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: StandIn(0.2))
     seed = test_seed % 1000
     model, d = _model(tmp_path, seed, "cuda", dtype)
     prompt = torch.randn(1, 23, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
@@ -200,9 +206,9 @@ def test_module_path_captures_comfy_style_casts(tmp_path, test_seed):
 
 
 def test_a_failed_capture_runs_eagerly_and_says_so(tmp_path, test_seed, monkeypatch, caplog):
-    """A capture that raises (an operation that syncs with the host, say) turns graphs off for the
-    runner and, through graph_blocker, for this path in this process: the step runs eagerly, with
-    the same outputs, said once; with cuda_graphs=True it raises."""
+    """A step whose capture raises (a module call that cannot be captured) runs eagerly, with the same
+    outputs, said once, and is not tried again in this process on this path (a second runner);
+    with cuda_graphs=True the error propagates."""
     import logging
 
     from qwen35_fast.engine import graphs
@@ -211,9 +217,11 @@ def test_a_failed_capture_runs_eagerly_and_says_so(tmp_path, test_seed, monkeypa
 
     model, d = _model(tmp_path, test_seed % 1000, "cpu")
     b = bind(model)
+    tried = []
 
     def fail(self, kind, inputs):
-        raise RuntimeError("operation not permitted when stream is capturing [test]")
+        tried.append((kind, inputs[0].shape[1]))
+        raise RuntimeError("cuBLAS error: 14 [test]")
 
     monkeypatch.setattr(graphs.GraphRunner, "_capture", fail)
     monkeypatch.setattr(graphs, "_CAPTURE_FAILED", {})
@@ -226,16 +234,53 @@ def test_a_failed_capture_runs_eagerly_and_says_so(tmp_path, test_seed, monkeypa
 
     expect = runner().forward_logits(x, pos)[2]
     caplog.set_level(logging.WARNING)
-    g = graphs.GraphRunner(runner())
-    for _ in range(2):
-        assert torch.equal(g.forward_logits(x, pos)[2], expect)
-        g.cache.discard()
+    for g in (graphs.GraphRunner(runner()), graphs.GraphRunner(runner())):
+        for _ in range(2):
+            assert torch.equal(g.forward_logits(x, pos)[2], expect)
+            g.cache.discard()
+    assert tried == [("main+logits", 1)]
     warned = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
-    assert len(warned) == 1 and "main+logits 1-row step failed (RuntimeError: operation not permitted" in warned[0]
+    assert len(warned) == 1 and "main+logits 1-row step failed (RuntimeError: cuBLAS error: 14" in warned[0]
     failed = graphs._CAPTURE_FAILED[graphs.failure_key(torch.device("cpu"), torch.float32, "torch")]
-    assert failed in warned[0]
-    with pytest.raises(RuntimeError, match="stream is capturing"):
-        graphs.GraphRunner(runner(), required=True).forward_logits(x, pos)
+    assert list(failed) == [("main+logits", 1)] and failed[("main+logits", 1)] in warned[0]
+    with pytest.raises(RuntimeError, match="cuBLAS error"):
+        graphs.GraphRunner(runner(), required=True).forward_logits(torch.randn(1, 2, d["hidden_size"]),
+                                                                   torch.zeros(3, 2, dtype=torch.int64))
+
+
+@gpu
+def test_a_failed_capture_keeps_the_rest_in_graphs_and_the_rng_usable(tmp_path, test_seed, monkeypatch, caplog):
+    """A module whose call syncs with the host when it gets several rows (as comfy-kitchen 0.2.24's
+    int8 product fails to capture at some shapes): the verify steps run eagerly, the 1-row steps stay
+    in graphs, the tokens equal the eager run's, and the CUDA random generator still draws."""
+    import logging
+
+    from qwen35_fast.engine import graphs
+
+    monkeypatch.setattr(graphs, "_CAPTURE_FAILED", {})
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda")
+    mlp = model.model.layers[2].mlp
+    plain = mlp.forward
+
+    def syncing(x):
+        if x.shape[1] > 1:
+            float(x.sum())  # a host sync: not allowed while a stream is captured
+        return plain(x)
+
+    mlp.forward = syncing
+    prompt = torch.randn(1, 17, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    caplog.set_level(logging.INFO, logger="qwen35_fast.engine.graphs")
+    kw = dict(do_sample=False, max_length=30, stop_tokens=[], mtp=3, fused=False)  # the module path
+    eager = generate(model, prompt, cuda_graphs=False, **kw)
+    graph = generate(model, prompt, cuda_graphs="auto", **kw)
+    assert graph.tokens == eager.tokens
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("4-row step failed" in m for m in messages), messages
+    assert any("captured the mtp" in m for m in messages)  # the head's 1-row steps: still graphs
+    assert torch.randn(8, device="cuda").isfinite().all()
+    with pytest.raises(Qwen35Error, match="cuda_graphs=True but capturing the main\\+logits 4-row step failed"):
+        generate(model, prompt, cuda_graphs=True, **kw)
 
 
 def test_bucketed_graphs_are_kept_per_span(tmp_path, test_seed, monkeypatch):
@@ -260,3 +305,81 @@ def test_bucketed_graphs_are_kept_per_span(tmp_path, test_seed, monkeypatch):
         seen.append(sorted(k[2] for k in g._graphs if k[0] == "main"))
     assert seen == [[4], [4], [4, 8], [8, 12], [12, 16], [8, 12, 16]]
     assert ("mtp", 1, 4) in g._graphs
+
+
+def test_a_failed_int8_call_is_rerouted_and_captured_again(monkeypatch, caplog):
+    """When a capture fails inside a module call of several rows over an int8 weight, that weight
+    shape's several-row products go to ``int8_rows`` and the capture is tried again (each new shape
+    once, at most ``REROUTES``); a failure elsewhere, or of a 1-row step, is not rerouted."""
+    import logging
+    import types
+
+    from qwen35_fast.engine import graphs
+
+    bad = {"down": (16, 512), "fc": (8, 256)}  # module -> its int8 weight shape, whose call fails
+    runner = types.SimpleNamespace(failed_module=None, int8_shapes=set(),
+                                   int8_weight=lambda m: None if m == "norm" else types.SimpleNamespace(
+                                       weight=torch.empty(bad[m], dtype=torch.int8)))
+    order = []
+
+    def capture(self, kind, inputs):
+        for module in order:
+            if module == "norm" or bad[module] not in runner.int8_shapes:
+                runner.failed_module = module
+                raise RuntimeError(f"cuBLAS error: 14 [{module}]")
+        return graphs._Graph(None, [], (), None)
+
+    monkeypatch.setattr(graphs.GraphRunner, "_capture", capture)
+    g = object.__new__(graphs.GraphRunner)
+    g.runner, g.required = runner, False
+    caplog.set_level(logging.WARNING)
+    four = (torch.zeros(1, 4, 8),)
+    order[:] = ["down", "fc"]
+    assert isinstance(g._capture_or_reroute("main+logits", four), graphs._Graph)
+    assert runner.int8_shapes == {(16, 512), (8, 256)}
+    assert sum("16x512 cannot be captured" in r.getMessage() for r in caplog.records) == 1
+    order[:] = ["norm"]
+    assert isinstance(g._capture_or_reroute("main+logits", four), RuntimeError)
+    runner.int8_shapes.clear()
+    order[:] = ["down"]
+    assert isinstance(g._capture_or_reroute("main+token", (torch.zeros(1, 1, 8),)), RuntimeError)  # 1 row
+    assert runner.int8_shapes == set()
+    bad.update({f"m{i}": (8 * (i + 3), 256) for i in range(graphs.REROUTES + 1)})
+    order[:] = [f"m{i}" for i in range(graphs.REROUTES + 1)]
+    assert isinstance(g._capture_or_reroute("main+logits", four), RuntimeError)
+    assert len(runner.int8_shapes) == graphs.REROUTES + 1  # the last one rerouted, then no more tries
+
+
+def test_the_module_path_routes_rerouted_int8_rows(tmp_path, test_seed):
+    """``Runner._lin``: a product of several rows whose int8 weight shape was rerouted goes to
+    ``int8_rows`` (the weight the hook reads in place); one row, or another shape, calls the module;
+    a module call that raises is remembered for the GraphRunner."""
+    from qwen35_fast.engine.cache import ModelCache
+    from qwen35_fast.engine.forward import Runner
+    from qwen35_fast.engine.int8_rows import int8_rows
+    from qwen35_fast.engine.plain_weights import PlainLinear
+
+    model, d = _model(tmp_path, test_seed % 1000, "cpu")
+    b = bind(model)
+    lin = b.layers[0].mlp.down_proj
+    q = torch.randint(-127, 128, tuple(lin.weight.shape), dtype=torch.int8)
+    plain = PlainLinear(q, scale=torch.rand(q.shape[0]) / 100)
+
+    class Hook(type(b.weights)):
+        def linear(self, module, device, dtype):
+            return (plain, None) if module is lin else (None, "not int8")
+
+    b.weights = Hook()
+    cache = ModelCache(b.config, batch=1, capacity=8, dtype=torch.float32, device="cpu")
+    runner = Runner(b, cache, dtype=torch.float32, device="cpu")
+    x = torch.randn(1, 3, q.shape[1])
+    assert torch.equal(runner._lin(lin, x), lin(x))  # nothing rerouted yet
+    runner.int8_shapes.add(tuple(q.shape))
+    assert torch.equal(runner._lin(lin, x), int8_rows(x, plain))
+    assert torch.equal(runner._lin(lin, x[:, :1]), lin(x[:, :1]))  # one row: the module
+    gate = b.layers[0].mlp.gate_proj
+    assert torch.equal(runner._lin(gate, torch.ones(1, 3, gate.weight.shape[1])),
+                       gate(torch.ones(1, 3, gate.weight.shape[1])))
+    with pytest.raises(RuntimeError):
+        runner._lin(lin, torch.randn(1, 1, 7))  # the module call raises
+    assert runner.failed_module is lin
