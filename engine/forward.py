@@ -197,10 +197,10 @@ class Runner:
 
     # ------------------------------------------------------------------ module calls
     def _lin(self, module, x: torch.Tensor) -> torch.Tensor:
-        """A projection of the module path: the module's own call, but a product of several rows
+        """A projection of the module path: the module's own call, but a product of 2..8 decode rows
         whose int8 weight shape is in ``int8_shapes`` goes to ``int8_rows`` (the same weight, read in
         place). A call that raises is remembered (``failed_module``) for ``GraphRunner``."""
-        if self.int8_shapes and x.shape[0] * x.shape[1] > 1:
+        if self.int8_shapes and 1 < x.shape[0] * x.shape[1] <= MAX_DECODE_ROWS:
             plain = self.int8_weight(module)
             if plain is not None and tuple(plain.weight.shape) in self.int8_shapes:
                 return int8_rows(x, plain)

@@ -28,8 +28,9 @@ class Qwen35LengthAwarePatch(io.ComfyNode):
                                        "the drafts kept and each depth's cost, off disables it, 1..5 drafts that "
                                        "many tokens per step. Needs an MTP head."),
                 io.Combo.Input("attention", options=list(ATTENTION_CHOICES), default="auto", advanced=True,
-                               tooltip="Decode attention backend; 'masked' reproduces core's "
-                                       "capacity-bound cost (for comparisons)."),
+                               tooltip="Decode attention backend; 'auto' picks triton, else kitchen, else "
+                                       "bucket (graph-safe torch, without Triton); 'masked' reproduces "
+                                       "core's capacity-bound cost (for comparisons)."),
             ],
             outputs=[io.Clip.Output(display_name="CLIP")],
         )

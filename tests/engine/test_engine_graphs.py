@@ -93,6 +93,8 @@ def test_graph_steps_capture_the_output_projection(tmp_path, test_seed, monkeypa
             eager_rows.append(h.shape[1])
         return real_logits(self, h, **kw)
 
+    for mtp in ("off", 3):  # the trial steps (stack.trial_step: once per process and row counts) first
+        generate(model, prompt, do_sample=False, max_length=8, stop_tokens=[], mtp=mtp)
     monkeypatch.setattr(graphs.GraphRunner, "_capture", capture)
     monkeypatch.setattr(Qwen35Binding, "logits", logits)
     for mtp, expected in (("off", [1]), (3, [1])):
@@ -260,15 +262,15 @@ def test_a_failed_capture_keeps_the_rest_in_graphs_and_the_rng_usable(tmp_path, 
     monkeypatch.setattr(graphs, "_CAPTURE_FAILED", {})
     seed = test_seed % 1000
     model, d = _model(tmp_path, seed, "cuda")
-    mlp = model.model.layers[2].mlp
-    plain = mlp.forward
+    down = model.model.layers[2].mlp.down_proj
+    plain = down.forward
 
     def syncing(x):
         if x.shape[1] > 1:
             float(x.sum())  # a host sync: not allowed while a stream is captured
         return plain(x)
 
-    mlp.forward = syncing
+    down.forward = syncing
     prompt = torch.randn(1, 17, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     caplog.set_level(logging.INFO, logger="qwen35_fast.engine.graphs")
     kw = dict(do_sample=False, max_length=30, stop_tokens=[], mtp=3, fused=False)  # the module path
