@@ -40,7 +40,8 @@ class GenerationStats:
     ``mtp_depths``: {depth: cycles run at it} (0: tokens of plain steps between cycles);
     ``mtp_acceptance``: per draft position, the share of drafts kept where the ones before were
     (None where never reached); ``mtp_off``: why ``mtp="auto"`` ran plain steps, or None;
-    ``attention_backend``: the decode-attention backend used.
+    ``attention_backend``: the decode-attention backend used; ``decode_path``: the runner's
+    (``stack.build_runner``: Triton kernels or module calls, CUDA graphs or not, and why).
     """
 
     tokens: int = 0
@@ -57,6 +58,7 @@ class GenerationStats:
     mtp_acceptance: list = field(default_factory=list)
     mtp_off: str | None = None
     attention_backend: str = ""
+    decode_path: str = ""
 
 
 @dataclass
@@ -118,7 +120,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
                           cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill, verify_rows=req.mtp_depth + 1)
     sampler = Sampler(req.sampling, seed=req.seed, stop_tokens=req.stop_tokens, min_tokens=req.min_tokens,
                       initial_tokens=req.initial_tokens, device=req.device, mtp_draft=req.mtp_draft)
-    stats = GenerationStats(mtp_depth=req.mtp_depth, attention_backend=backend)
+    stats = GenerationStats(mtp_depth=req.mtp_depth, attention_backend=backend,
+                            decode_path=getattr(runner, "decode_path", ""))
     with torch.no_grad(), binding.holding_output_weight():
         return _run(binding, runner, sampler, stats, req, callback)
 

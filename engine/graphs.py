@@ -157,7 +157,7 @@ class GraphRunner:
         self.device = runner.device
         self.dtype = runner.dtype
         self.binding = runner.binding
-        self.required = required  # a failed capture raises instead of turning graphs off
+        self.required = required  # a failed capture raises instead of running that step eagerly
         backend = resolved_backend(runner.binding, runner.device, runner.dtype, runner.attention)
         self._bucketed = ATTENTION_BACKENDS[backend].bucketed
         # Steps whose capture failed on this path in this process: they run eagerly; the int8 weight

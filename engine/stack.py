@@ -101,10 +101,11 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
                  cache_fill: float | None = None, verify_rows: int = 1) -> Runner | GraphRunner:
     """A ``ModelCache`` of ``capacity`` slots (with the MTP layer's K/V when ``mtp``) and the runner
     over it (``.cache``): the fused kernels and CUDA graphs where ``fused`` / ``cuda_graphs``
-    ("auto", True = required, False) and the model allow. On CUDA the fused path first runs a
-    ``trial_step`` (1 row and ``verify_rows``, the MTP verify's rows); if that fails, "auto" runs
-    the modules instead and says why once. Qwen35Error when something required cannot run (the
-    attention backend, fused=True, cuda_graphs=True)."""
+    ("auto", True = required, False) and the model allow; its ``decode_path`` says which, in short
+    (for the node's status line), with the reason where the fused kernels or graphs are off. On
+    CUDA the fused path first runs a ``trial_step`` (1 row and ``verify_rows``, the MTP verify's
+    rows); if that fails, "auto" runs the modules instead and says why once. Qwen35Error when
+    something required cannot run (the attention backend, fused=True, cuda_graphs=True)."""
     backend = attention_backend(attention, binding.config, dtype, device)
     cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
                        fill=cache_fill)
@@ -144,4 +145,7 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     else:
         log.info("Qwen3.5 decode path: every layer through its module calls (no fused kernels: %s), CUDA graphs %s, "
                  "attention '%s'", no_plan, on, backend)
-    return GraphRunner(runner, required=cuda_graphs is True) if graphs else runner
+    out = GraphRunner(runner, required=cuda_graphs is True) if graphs else runner
+    out.decode_path = ("Triton kernels" if plan is not None else f"module calls (no Triton kernels: {no_plan})") + (
+        ", CUDA graphs" if graphs else f", no CUDA graphs ({blocker or 'cuda_graphs=False'})")
+    return out

@@ -389,12 +389,12 @@ def format_mtp(stats) -> str:
 
 
 def format_stats(label: str, stats, stop_reason=None) -> str:
-    """One log line: tokens, steps, MTP acceptance, tok/s, prefill, attention backend."""
+    """The node's status and log line: tokens, steps, MTP, tok/s, prefill, attention, decode path."""
     if stats is None:
         return f"{label}: done"
-    depth = getattr(stats, "mtp_depth", 0) or 0
-    mtp = format_mtp(stats) if depth else "MTP off"
+    mtp = format_mtp(stats) if getattr(stats, "mtp_depth", 0) else "MTP off"
     stop = f", stop: {stop_reason}" if stop_reason else ""
+    path = f"; {stats.decode_path}" if getattr(stats, "decode_path", "") else ""  # no Triton: how to get it
     return (f"{label}: {stats.tokens} tokens in {stats.steps} steps, {mtp}, {stats.tok_per_s:.2f} tok/s "
             f"(prefill {stats.prefill_s:.2f} s, decode {stats.decode_s:.2f} s, attention "
-            f"{stats.attention_backend}){stop}")
+            f"{stats.attention_backend}){stop}{path}")

@@ -270,9 +270,31 @@ def test_every_generation_says_its_decode_path(model, caplog):
                                  "CUDA device"),
                           (False, "(no fused kernels: fused=False)")):
         caplog.clear()
-        generate(model, x, max_length=2, mtp="off", fused=fused)
+        res = generate(model, x, max_length=2, mtp="off", fused=fused)
         lines = [r.getMessage() for r in caplog.records if "decode path" in r.getMessage()]
         assert len(lines) == 1 and expect in lines[0], (fused, lines)
+        short = {False: "module calls (no Triton kernels: fused=False)", True: "Triton kernels",
+                 "auto": "module calls (no Triton kernels: the fused kernels need a CUDA device (running on cpu))"}
+        assert res.stats.decode_path == short[fused] + ", no CUDA graphs (CUDA graphs need a CUDA device (running "\
+                                                       "on cpu))", res.stats.decode_path
+
+
+def test_the_status_line_names_the_triton_to_install(model, monkeypatch):
+    """Where the fused kernels cannot run because Triton is missing (a Windows torch), the stats line
+    the nodes show names the decode path and the exact command that installs the matching Triton."""
+    from qwen35_fast.engine import stack
+    from qwen35_fast.kernels import capabilities
+    from qwen35_fast.patches.comfy_bridge import format_stats
+
+    model, d = model
+    monkeypatch.setattr(capabilities.sys, "platform", "win32")
+    monkeypatch.setattr(capabilities.torch, "__version__", "2.11.0+cu128")
+    why = capabilities.unusable_reason(ModuleNotFoundError("No module named 'triton'"))
+    monkeypatch.setattr(stack, "fused_plan", lambda fused, binding, device, dtype: (None, why))
+    res = generate(model, torch.randn(1, 3, d["hidden_size"]), max_length=2, mtp="off")
+    line = format_stats("Qwen3.5", res.stats)
+    assert "; module calls (no Triton kernels: Triton is not usable here (ModuleNotFoundError" in line, line
+    assert 'pip install "triton-windows<3.7"' in line and line.endswith("(running on cpu))"), line
 
 
 def test_a_triton_without_overlapped_launches_is_said_once(model, caplog, monkeypatch):
