@@ -124,11 +124,13 @@ def main() -> None:
     torch.cuda.reset_peak_memory_stats()
     enhance("enhancer")
     t0 = time.perf_counter()
-    comfy.model_management.load_models_gpu([standin(comfy, args.standin_gb)])
+    image = standin(comfy, args.standin_gb)  # held, as a workflow holds its image model: ComfyUI's list is weak
+    comfy.model_management.load_models_gpu([image])
     standin_s = time.perf_counter() - t0
     after_image = loaded(comfy)
     print(f"stand-in of {args.standin_gb} GB loaded in {standin_s:.1f} s; loaded {after_image}", flush=True)
     enhance("enhancer again")
+    del image
     equal = len(outputs[0]) == args.tokens and outputs[0] == outputs[1]
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": not triton_hidden(),
               "budget_gb": args.budget_gb, "standin_gb": args.standin_gb, "max_length": args.max_length,
