@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ load_pack()
 from benchmarks.comfy_e2e import TokenClock, config_08b, prompt_tokens, write_checkpoint  # noqa: E402
 from benchmarks.decode_e2e import config_9b  # noqa: E402
 from benchmarks.without_triton import hidden as triton_hidden  # noqa: E402
+from benchmarks.without_triton import restart as restart_without_triton  # noqa: E402
 
 GIB = 2**30
 GREEDY = dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
@@ -94,9 +94,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm/qwen35_comfy_e2e")
     ap.add_argument("--json", default="budget_run.json")
     args = ap.parse_args()
-    if args.no_triton and not triton_hidden():  # torch is imported here: start again with Triton hidden
-        wrapper = Path(__file__).with_name("without_triton.py")
-        os.execv(sys.executable, [sys.executable, str(wrapper), str(Path(__file__).resolve()), *sys.argv[1:]])
+    if args.no_triton and not triton_hidden():
+        restart_without_triton(__file__)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     path = Path(args.dir) / f"qwen35_{args.size}_int8.safetensors"
     if not path.exists():  # built on the GPU before the cap (a 9B in bf16 is 18 GB)

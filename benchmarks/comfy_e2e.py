@@ -98,6 +98,7 @@ from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
 from benchmarks.decode_e2e import build_model, config_9b  # noqa: E402
 from benchmarks.memory_peak import PeakProbe  # noqa: E402
 from benchmarks.without_triton import hidden as triton_hidden  # noqa: E402
+from benchmarks.without_triton import restart as restart_without_triton  # noqa: E402
 
 log = logging.getLogger("comfy_e2e")
 HF = "model.language_model."
@@ -659,9 +660,8 @@ def main() -> None:
         return
     if not args.comfyui:
         ap.error("--comfyui is required")
-    if args.no_triton and not triton_hidden():  # this process imported torch: start again with Triton hidden
-        wrapper = Path(__file__).with_name("without_triton.py")
-        os.execv(sys.executable, [sys.executable, str(wrapper), str(Path(__file__).resolve()), *sys.argv[1:]])
+    if args.no_triton and not triton_hidden():
+        restart_without_triton(__file__)
     mtp_kinds = sorted({"forced3", "mtp-sampled"} & set(args.kinds))
     if args.loader == "core" and mtp_kinds:
         ap.error(f"--loader core loads no MTP head: drop {' '.join(mtp_kinds)} from --kinds")

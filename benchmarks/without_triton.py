@@ -11,6 +11,7 @@ comfy-kitchen check. ``hidden()`` says whether this process runs so.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -21,6 +22,13 @@ USAGE = "usage: without_triton.py SCRIPT.py [args] | -m MODULE [args]"
 def hidden() -> bool:
     """True when ``import triton`` was made to fail in this process (by this wrapper)."""
     return "triton" in sys.modules and sys.modules["triton"] is None
+
+
+def restart(script: str) -> None:
+    """Replace this process (which imported torch, so Triton cannot be hidden in it any more) with
+    ``script`` run through this wrapper, with the same arguments."""
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), str(Path(script).resolve()),
+                              *sys.argv[1:]])
 
 
 def main(argv: list[str]) -> None:
