@@ -221,8 +221,10 @@ class GraphRunner:
         """``_capture``, or the exception it failed with. When the failure was a module call of
         several rows over an int8 weight the hook reads in place, that weight shape's products of
         several rows go to ``int8_rows`` from then on (in this process, on this path; said once)
-        and the capture is tried again (at most ``REROUTES`` times)."""
+        and the capture is tried again (at most ``REROUTES`` times). When it still fails, the shapes
+        this call rerouted are taken back (``int8_rows`` itself may be what fails on this GPU)."""
         runner, rows = self.runner, inputs[0].shape[1]
+        added = []  # taken back if the capture still fails: the eager step then calls the modules again
         for _ in range(REROUTES + 1):
             runner.failed_module = None
             try:
@@ -238,10 +240,12 @@ class GraphRunner:
             if shape is None or shape in runner.int8_shapes:
                 break
             runner.int8_shapes.add(shape)
+            added.append(shape)
             say_once(log, f"Qwen3.5: ComfyUI's int8 product of several rows at {shape[0]}x{shape[1]} cannot be "
                           f"captured in a CUDA graph here ({type(failed).__name__}: "
                           f"{str(failed).strip().splitlines()[0] if str(failed).strip() else ''}); those rows "
                           "read the same int8 weights through torch's int8 matmul instead")
+        runner.int8_shapes.difference_update(added)
         return failed
 
     def _give_up(self, kind: str, rows: int, exc: Exception, inputs):
