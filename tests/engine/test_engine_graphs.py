@@ -312,7 +312,8 @@ def test_bucketed_graphs_are_kept_per_span(tmp_path, test_seed, monkeypatch):
 def test_a_failed_int8_call_is_rerouted_and_captured_again(monkeypatch, caplog):
     """When a capture fails inside a module call of several rows over an int8 weight, that weight
     shape's several-row products go to ``int8_rows`` and the capture is tried again (each new shape
-    once, at most ``REROUTES``); a failure elsewhere, or of a 1-row step, is not rerouted."""
+    once, at most ``REROUTES``); a failure elsewhere, or of a 1-row step, is not rerouted; the
+    shapes a capture that still fails rerouted are taken back."""
     import logging
     import types
 
