@@ -135,10 +135,11 @@ class KVCache:
             self.length.sub_(n)
             self.host_length -= n
 
-    def span(self) -> int:
+    def span(self, rows: int = 0) -> int:
         """The slots the bucketed decode attention reads (``decode_attention(span=)``): the filled
-        ones (committed + staged) rounded up to a bucket (``kernels.bucket_end``), a host count."""
-        return bucket_end(self.host_length + self.staged, self.capacity)
+        ones (committed + staged, + ``rows`` about to be staged) rounded up to a bucket
+        (``kernels.bucket_end``), a host count."""
+        return bucket_end(self.host_length + self.staged + rows, self.capacity)
 
     def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the filled slots (committed + staged): k, v ``[B,Hkv,L,D]``."""
@@ -353,8 +354,7 @@ class ModelCache:
 
     def span(self, part: str, rows: int) -> int:
         """``KVCache.span`` of ``part`` ("main" or "mtp") once ``rows`` more rows are staged there."""
-        kv = self._part(part)[0] if part == "mtp" else self._first_kv
-        return bucket_end(kv.host_length + kv.staged + rows, kv.capacity)
+        return (self._part(part)[0] if part == "mtp" else self._first_kv).span(rows)
 
     def save_staged(self, part: str) -> tuple:
         """What a forward over ``part`` staged (host side), for ``restore_staged`` after a replay."""

@@ -8,3 +8,9 @@ class Qwen35Error(ValueError):
 
     The message names the tensor (or argument) at fault and what to do about it.
     """
+
+
+def exception_line(exc: BaseException) -> str:
+    """``"Type: first line of the message"`` (``"Type"`` for an empty message): an exception in one line."""
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0] if first else ''}".rstrip(": ")

@@ -31,8 +31,8 @@ import logging
 
 import torch
 
-from ..kernels import ATTENTION_BACKENDS, MAX_DECODE_ROWS, attention_torch, resolve_backend, say_once
-from .errors import Qwen35Error
+from ..kernels import ATTENTION_BACKENDS, MAX_DECODE_ROWS, attention_torch, backend_for, say_once
+from .errors import Qwen35Error, exception_line
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,10 @@ def failure_key(device: torch.device, dtype: torch.dtype, attention: str, plan=N
     return str(device), dtype, attention, "modules" if plan is None else plan.describe()
 
 
-def resolved_backend(binding, device: torch.device, dtype: torch.dtype, attention: str) -> str:
+def _backend(binding, device, dtype: torch.dtype, attention: str) -> str:
     """The decode-attention backend ``attention`` ("auto" or a name) runs as for this model here."""
-    if attention != "auto":
-        return attention
     cfg = binding.config
-    q = torch.empty(1, cfg.num_attention_heads, 1, cfg.head_dim, dtype=dtype, device=device)
-    return resolve_backend(q, cfg.head_dim ** -0.5)
+    return backend_for(attention, cfg.num_attention_heads, cfg.head_dim, dtype, device)[0]
 
 
 def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: str, plan=None) -> str | None:
@@ -74,7 +71,7 @@ def graph_blocker(binding, device: torch.device, dtype: torch.dtype, attention: 
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (running on {device.type})"
     dev = _indexed(device)
-    backend = resolved_backend(binding, device, dtype, attention)
+    backend = _backend(binding, device, dtype, attention)
     if not ATTENTION_BACKENDS[backend].graph_safe:
         return f"the '{backend}' attention backend syncs with the host"
     return module_blocker(binding, dev, plan)
@@ -158,7 +155,7 @@ class GraphRunner:
         self.dtype = runner.dtype
         self.binding = runner.binding
         self.required = required  # a failed capture raises instead of running that step eagerly
-        backend = resolved_backend(runner.binding, runner.device, runner.dtype, runner.attention)
+        backend = _backend(runner.binding, runner.device, runner.dtype, runner.attention)
         self._bucketed = ATTENTION_BACKENDS[backend].bucketed
         # Steps whose capture failed on this path in this process: they run eagerly; the int8 weight
         # shapes whose several-row module calls failed a capture (``Runner.int8_shapes``), kept too.
@@ -242,18 +239,15 @@ class GraphRunner:
             runner.int8_shapes.add(shape)
             added.append(shape)
             say_once(log, f"Qwen3.5: ComfyUI's int8 product of several rows at {shape[0]}x{shape[1]} cannot be "
-                          f"captured in a CUDA graph here ({type(failed).__name__}: "
-                          f"{str(failed).strip().splitlines()[0] if str(failed).strip() else ''}); those rows "
-                          "read the same int8 weights through torch's int8 matmul instead")
+                          f"captured in a CUDA graph here ({exception_line(failed)}); those rows read the same "
+                          "int8 weights through torch's int8 matmul instead")
         runner.int8_shapes.difference_update(added)
         return failed
 
     def _give_up(self, kind: str, rows: int, exc: Exception, inputs):
         """After a failed capture: this step runs eagerly, now and for the rest of the process on
         this path (said once); the other steps keep their graphs."""
-        first = str(exc).strip().splitlines()
-        why = (f"capturing the {kind} {rows}-row step failed ({type(exc).__name__}: "
-               f"{first[0] if first else ''})")
+        why = f"capturing the {kind} {rows}-row step failed ({exception_line(exc)})"
         self._failed[(kind, rows)] = why
         say_once(log, f"Qwen3.5 decode runs these steps without CUDA graphs (slower): {why}; the other steps "
                       "stay in graphs. Please report this with your torch, comfy-kitchen and GPU")

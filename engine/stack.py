@@ -9,11 +9,11 @@ import logging
 
 import torch
 
-from ..kernels import backend_reason, resolve_backend, say_once
+from ..kernels import backend_for, say_once
 from ..kernels.capabilities import pdl_reason, triton_pdl_reason
 from .binding import Qwen35Binding
 from .cache import ModelCache
-from .errors import Qwen35Error
+from .errors import Qwen35Error, exception_line
 from .forward import Runner
 from .fused import FusedPlan
 from .graphs import GraphRunner, graph_blocker
@@ -24,14 +24,10 @@ log = logging.getLogger(__name__)
 def attention_backend(attention: str, config, dtype: torch.dtype, device) -> str:
     """The decode-attention backend that will run for ``attention``; Qwen35Error up front if the
     chosen one cannot run here."""
-    q = torch.empty(1, config.num_attention_heads, 1, config.head_dim, dtype=dtype, device=device)
-    scale = config.head_dim ** -0.5
-    if attention == "auto":
-        return resolve_backend(q, scale)
-    why = backend_reason(attention, q, scale)
+    backend, why = backend_for(attention, config.num_attention_heads, config.head_dim, dtype, device)
     if why is not None:
         raise Qwen35Error(f"attention={attention!r} cannot run here: {why}; use attention='auto'")
-    return attention
+    return backend
 
 
 def _on_cuda(device) -> bool:
@@ -90,8 +86,7 @@ def trial_step(binding: Qwen35Binding, plan: FusedPlan, *, device, dtype: torch.
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any fault of the fused path is a reason to run without it
-        first = str(exc).strip().splitlines()
-        why = f"{type(exc).__name__}: {first[0] if first else ''}".rstrip(": ")
+        why = exception_line(exc)
     _TRIED[key] = why
     return why
 

@@ -68,6 +68,17 @@ def backend_reason(name: str, q: torch.Tensor, scale: float | None = None) -> st
     return ATTENTION_BACKENDS[name].reason(q, scale)
 
 
+def backend_for(name: str, heads: int, head_dim: int, dtype: torch.dtype, device) -> tuple[str, str | None]:
+    """``(backend, why not)`` for decode rows of ``heads`` query heads of ``head_dim`` in ``dtype`` on
+    ``device``: "auto" resolved (``resolve_backend``; it always runs), or ``name`` with
+    ``backend_reason``'s answer (None when it can run)."""
+    q = torch.empty(1, heads, 1, head_dim, dtype=dtype, device=device)
+    scale = head_dim ** -0.5
+    if name == "auto":
+        return resolve_backend(q, scale), None
+    return name, backend_reason(name, q, scale)
+
+
 def _check(q, k_cache, v_cache, lengths) -> None:
     if not all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache, lengths)):
         raise ValueError("decode_attention: q, k_cache, v_cache and lengths must be torch tensors")

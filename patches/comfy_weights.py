@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from ..engine.errors import exception_line
 from ..engine.plain_weights import PlainLinear, StandaloneWeights
 from ..kernels import say_once
 from ..kernels.capabilities import fp8_reason
@@ -125,9 +126,8 @@ def resident_clip(clip):
         resident = clip.clone()
         resident.patcher = patcher.clone(disable_dynamic=True, model_override=owner.get_clone_model_override())
     except Exception as exc:  # noqa: BLE001 - any loader fault leaves the streamed CLIP, said once
-        first = str(exc).strip().splitlines()
-        return clip, (f"ComfyUI could not reload it without DynamicVRAM ({type(exc).__name__}: "
-                      f"{first[0] if first else ''}): start ComfyUI with --disable-dynamic-vram")
+        return clip, (f"ComfyUI could not reload it without DynamicVRAM ({exception_line(exc)}): start ComfyUI "
+                      "with --disable-dynamic-vram")
     # A clone that dies hands its place in ComfyUI's loaded models to its parent: the patcher that
     # owns the same weights, not the DynamicVRAM one (whose model is another).
     resident.patcher.parent = owner

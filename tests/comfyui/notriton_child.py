@@ -22,17 +22,9 @@ load_pack()
 import torch  # noqa: E402
 
 from tests.oracles.comfy_tree import GREEDY, import_comfyui  # noqa: E402
+from tests.oracles.log_messages import Messages  # noqa: E402
 
 PROMPT = "a lighthouse on a cliff at dusk, " * 12
-
-
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def main(tree: str, checkpoint: str, out: str) -> None:
@@ -44,7 +36,7 @@ def main(tree: str, checkpoint: str, out: str) -> None:
     from qwen35_fast.patches import comfy_bridge as bridge
     from qwen35_fast.patches.clip_loader import load_qwen35_clip
 
-    lines = Lines()
+    lines = Messages()
     logging.getLogger("qwen35_fast").addHandler(lines)
     logging.getLogger("qwen35_fast").setLevel(logging.INFO)
     clip = load_qwen35_clip(checkpoint, None).clip
@@ -59,11 +51,11 @@ def main(tree: str, checkpoint: str, out: str) -> None:
             "graphs_bf16": dict(execution_dtype=torch.bfloat16, mtp="off")}
     result = {}
     for name, extra in runs.items():
-        lines.lines.clear()
+        lines.messages.clear()
         res = generate(target.transformer, embeds, **extra, **kw)
-        path = [x for x in lines.lines if "decode path" in x]
+        path = [x for x in lines.messages if "decode path" in x]
         result[name] = {"tokens": res.tokens, "path": path[-1] if path else "",
-                        "warnings": [x for x in lines.lines if "without CUDA graphs" in x]}
+                        "warnings": [x for x in lines.messages if "without CUDA graphs" in x]}
     Path(out).write_text(json.dumps(result, indent=1))
 
 

@@ -49,15 +49,6 @@ def _load(name: str, path: Path):
     return module
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def main(spec: dict) -> dict:
     os.environ.pop("TRITON_INTERPRET", None)
     fake_gpu = _load("fake_gpu", HERE / "fake_gpu.py")
@@ -81,7 +72,7 @@ def main(spec: dict) -> dict:
 
     capabilities.simulate(capabilities.DeviceRecord(f"simulated sm_{spec['cc']}", spec["cc"], gpu.sms, gpu.shared,
                                                     64 << 20))
-    warned = _Warnings()
+    warned = _load("log_messages", ROOT / "tests" / "oracles" / "log_messages.py").Messages(logging.WARNING)
     logging.getLogger("qwen35_fast").addHandler(warned)
     logging.getLogger("qwen35_fast").setLevel(logging.WARNING)
     calls = []
