@@ -370,7 +370,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     if args.profile:
         from benchmarks.decode_e2e import profile_steps
 
-        prof = profile_steps(target.transformer, embeds.to(dtype), attention="auto", fused="auto", top=25, **hooks)
+        prof = profile_steps(target.transformer, embeds.to(dtype), attention="auto", fused="auto", top=60, **hooks)
         rows.append({"format": fmt, "kind": "profile", **prof})
         print(f"{fmt:>5} eager 1-row step: {prof['launches_per_step']:.0f} launches, "
               f"{prof['kernel_us_per_step'] / 1e3:.2f} ms of kernels", flush=True)

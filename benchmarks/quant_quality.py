@@ -70,7 +70,9 @@ def quantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
     elif fmt == "w4a4":
         qt = QuantizedTensor.from_float(w, "TensorCoreConvRotW4A4Layout", convrot_groupsize=256)
     else:
-        qt = QuantizedTensor.from_float(w, "TensorCoreNVFP4Layout")
+        from qwen35_fast.patches.convert_4bit import nvfp4_input
+
+        qt = QuantizedTensor.from_float(nvfp4_input(w), "TensorCoreNVFP4Layout")
     return qt.dequantize().float()
 
 

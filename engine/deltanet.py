@@ -16,10 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA / transformers convention)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+#: The L2 norm's epsilon: ``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA / transformers convention).
+L2_EPS = 1e-6
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor):
@@ -28,19 +26,28 @@ def gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.
     ``g = -exp(A_log) * softplus(a + dt_bias)`` with ``neg_a = -exp(A_log)`` float32 ``[Hv]``;
     ``beta = sigmoid(b)``.
     """
-    g = neg_a * F.softplus(a.float() + dt_bias)
+    g = neg_a * F.softplus(torch.add(a, dt_bias))  # a's dtype promoted to float32 by the add
     return g, torch.sigmoid(b.float())
 
 
+def prepare_qk(qk: torch.Tensor, value_heads: int):
+    """qk ``[B,S,2,Hk,Dk]`` (q then k, any float dtype) -> float32 q (L2-normed, scaled by
+    ``Dk^-0.5``) and k (L2-normed), both ``[B,S,Hv,Dk]`` with value head h reading key head
+    ``h // (Hv/Hk)``: views of one new tensor, made in seven launches whatever the head counts."""
+    b, s, _, hk, dk = qk.shape
+    rep = value_heads // hk
+    x = qk.float()
+    r = torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+    r[:, :, 0].mul_(dk ** -0.5)
+    y = torch.empty(b, s, 2, hk, rep, dk, dtype=torch.float32, device=x.device)
+    torch.mul(x.unsqueeze(4).expand(b, s, 2, hk, rep, dk), r.unsqueeze(4), out=y)
+    y = y.view(b, s, 2, hk * rep, dk)
+    return y[:, :, 0], y[:, :, 1]
+
+
 def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, value_heads: int):
-    """q, k ``[B,S,Hk,Dk]``, v ``[B,S,Hv,Dv]`` -> float32 q (L2-normed, scaled by ``Dk^-0.5``), k
-    (L2-normed), both repeated to ``Hv`` heads (value head h reads key head ``h // (Hv/Hk)``), and v."""
-    rep = value_heads // q.shape[2]
-    q = l2norm(q.float()) * (q.shape[-1] ** -0.5)
-    k = l2norm(k.float())
-    if rep > 1:
-        q = q.repeat_interleave(rep, dim=2)
-        k = k.repeat_interleave(rep, dim=2)
+    """q, k ``[B,S,Hk,Dk]``, v ``[B,S,Hv,Dv]`` -> ``prepare_qk``'s q and k, and v in float32."""
+    q, k = prepare_qk(torch.stack([q, k], dim=2), value_heads)
     return q, k, v.float()
 
 
@@ -59,10 +66,10 @@ def recurrent_rows(state: torch.Tensor, q, k, v, g, beta):
         kj = k[:, j]
         mem = torch.einsum("bhk,bhkv->bhv", kj, s)
         delta = (v[:, j] - mem) * beta[:, j, :, None]
-        s = s + kj.unsqueeze(-1) * delta.unsqueeze(-2)
+        s = torch.addcmul(s, kj.unsqueeze(-1), delta.unsqueeze(-2))
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, j], s))
         states.append(s)
-    return torch.stack(outs, dim=1), states
+    return (outs[0].unsqueeze(1) if len(outs) == 1 else torch.stack(outs, dim=1)), states
 
 
 def chunked_rows(state: torch.Tensor, q, k, v, g, beta, chunk: int = 64):

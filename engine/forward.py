@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..kernels import HEAD_DIMS, MAX_DECODE_ROWS, decode_attention
 from .binding import Qwen35Binding
 from .cache import DeltaNetState, KVCache, ModelCache
-from .deltanet import chunked_rows, gates, prepare_qkv, recurrent_rows
+from .deltanet import chunked_rows, gates, prepare_qk, recurrent_rows
 from .fused import FusedPlan
 from .int8_rows import int8_rows, int8_rows_ok
 from .plain_weights import PlainLinear
@@ -255,13 +255,11 @@ class Runner:
         a_in = self._lin(la.in_proj_a, xn)
         window = torch.cat([state.conv.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
         mixed = F.silu(la.conv1d(window)[..., kernel - 1:kernel - 1 + s]).transpose(1, 2)
-        q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        q = q.reshape(b, s, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        k = k.reshape(b, s, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        v = v.reshape(b, s, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        qk = mixed[..., :2 * cfg.key_dim].unflatten(-1, (2, cfg.linear_num_key_heads, cfg.linear_key_head_dim))
+        v = mixed[..., 2 * cfg.key_dim:].reshape(b, s, cfg.linear_num_value_heads, cfg.linear_value_head_dim).float()
         neg_a, dt_bias = self._consts[index]
         g, beta = gates(a_in, beta_in, neg_a, dt_bias)
-        q, k, v = prepare_qkv(q, k, v, cfg.linear_num_value_heads)
+        q, k = prepare_qk(qk, cfg.linear_num_value_heads)
         if keep_rows or s <= ROWWISE_MAX:
             out, states = recurrent_rows(state.recurrent, q, k, v, g, beta)
             if not keep_rows:

@@ -2,9 +2,12 @@
 
 Weight-only: x stays bf16 / fp16 / fp32, each 4-bit weight is widened in registers to x's dtype
 (exactly: every value below is representable there), float32 accumulation, bytes read = the packed
-weights and their scales once. No repacking: the kernel reads comfy-kitchen's ``QuantizedTensor``
-storage as ComfyUI loaded it. Works wherever Triton runs (no INT4 / FP4 tensor cores needed; the
-dot is x's dtype on the tensor cores, as in ``gemv.py``).
+weights and their scales once. For bf16 / fp16 x the widening is integer work alone: a code's bits
+are placed under a 16-bit float's exponent (``_nibbles16``, ``_e2m1_16``); convrot_w4a4's signed
+nibble q becomes OFFSET + q, and ``OFFSET * sum(x)`` leaves the float32 accumulator at the end.
+No repacking: the kernel reads comfy-kitchen's ``QuantizedTensor`` storage as ComfyUI loaded it.
+Works wherever Triton runs (no INT4 / FP4 tensor cores needed; the dot is x's dtype on the tensor
+cores, as in ``gemv.py``).
 
 Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
 
@@ -44,6 +47,8 @@ __all__ = ["FORMATS", "Packed4", "gemv4", "gemv4_group", "gemv4_reason"]
 
 #: format name -> the kernel's FMT
 FMT = {"convrot_w4a4": 1, "nvfp4": 2}
+#: x dtype -> the kernel's HALF16 (0: float32, exact conversions and IEEE dots)
+X_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 @triton.jit
@@ -58,6 +63,34 @@ def _e2m1(nib):
 
 
 @triton.jit
+def _nibbles16(nib, HALF16: tl.constexpr):
+    # 4-bit codes (int32 0..15) -> 16-bit float bit patterns by integer operations alone (no convert
+    # instruction). HALF16 1: fp16, 2: bf16.
+    # Signed int4 q (two's complement nibble) becomes OFFSET + q, q + 8 being nib ^ 8: fp16 1032
+    # (0x6400 is 1024, unit steps up to 2048), bf16 136 (0x4300 is 128, unit steps up to 256).
+    if HALF16 == 1:
+        bits = (nib ^ 8) | 0x6400
+    else:
+        bits = (nib ^ 8) | 0x4300
+    return bits.to(tl.int16)
+
+
+@triton.jit
+def _e2m1_16(nib, HALF16: tl.constexpr):
+    # E2M1 code (int32 0..15) -> its fp16 (HALF16 1) / bf16 (2) bit pattern, exactly: exponent e >= 1
+    # and mantissa m become (1 + m/2) * 2^(e-1) by moving the 3 bits under the exponent field and
+    # adding the bias of 0.5 (H); e = 0 is 0 or 0.5 (m * H).
+    mag = nib & 7
+    if HALF16 == 1:
+        h = 0x3800
+        bits = tl.where(mag >= 2, (mag << 9) + h, mag * h)
+    else:
+        h = 0x3F00
+        bits = tl.where(mag >= 2, (mag << 6) + h, mag * h)
+    return (bits | ((nib & 8) << 12)).to(tl.int16)
+
+
+@triton.jit
 def _e4m3(b):
     # float8_e4m3fn byte (int32 0..255) -> float32, exactly (no FP8 instructions: any GPU).
     e = (b >> 3) & 15
@@ -69,7 +102,7 @@ def _e4m3(b):
 
 @triton.jit
 def _tile4(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps,
-           FMT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           FMT: tl.constexpr, HALF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N columns over [pid_k * K_PER, + K_PER) (a multiple of
     # BLOCK_K). Each K tile: BLOCK_K / 2 bytes per row, its even and odd columns multiplied with x's
@@ -90,6 +123,7 @@ def _tile4(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, N
         sq = tl.load(NRM + offs_m[:, None] * s_nrm + j[None, :], mask=m_ok[:, None] & (j < n_nrm)[None, :], other=0.0)
         factor = tl.rsqrt(tl.sum(sq, 1) / n_mean + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_b = k0 // 2 + tl.arange(0, HALF)  # byte columns
         even = 2 * offs_b
@@ -103,9 +137,13 @@ def _tile4(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, N
         x_o = tl.load(X + offs_m[:, None] * sx_m + even[None, :] + 1,
                       mask=m_ok[:, None] & (even + 1 < K)[None, :], other=0.0)
         b = b.to(tl.int32)
-        if FMT == 1:  # signed nibbles, even column low: sign-extend each
-            w_e = ((b << 28) >> 28).to(tl.float32).to(x_e.dtype)
-            w_o = (b >> 4).to(tl.float32).to(x_e.dtype)
+        if FMT == 1 and HALF16 > 0:  # signed nibbles, even column low, as OFFSET + q (one integer op each)
+            w_e = _nibbles16(b & 15, HALF16).to(x_e.dtype, bitcast=True)
+            w_o = _nibbles16((b >> 4) & 15, HALF16).to(x_e.dtype, bitcast=True)
+            x_sum += tl.sum(x_e.to(tl.float32), 1) + tl.sum(x_o.to(tl.float32), 1)
+        elif FMT == 1:  # float32 x: each signed nibble converted
+            w_e = ((b << 28) >> 28).to(tl.float32)
+            w_o = (b >> 4).to(tl.float32)
         else:  # E2M1 codes, even column high; times the block's E4M3 scale
             b = b & 255
             blk = k0 // 16 + tl.arange(0, HALF // 8)
@@ -114,14 +152,21 @@ def _tile4(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, N
                 + (blk[None, :] & 3)
             sb = tl.load(S + s_off, mask=n_ok[:, None] & (blk < s_cols)[None, :], other=0).to(tl.int32) & 255
             sc = tl.reshape(tl.broadcast_to(_e4m3(sb)[:, :, None], (BLOCK_N, HALF // 8, 8)), (BLOCK_N, HALF))
-            w_e = (_e2m1(b >> 4) * sc).to(x_e.dtype)
-            w_o = (_e2m1(b & 15) * sc).to(x_e.dtype)
-        if IEEE:
+            if HALF16 > 0:  # code and scale exact in x's dtype, and so is their product (<= 6 bits)
+                sc = sc.to(x_e.dtype)
+                w_e = _e2m1_16(b >> 4, HALF16).to(x_e.dtype, bitcast=True) * sc
+                w_o = _e2m1_16(b & 15, HALF16).to(x_e.dtype, bitcast=True) * sc
+            else:
+                w_e = _e2m1(b >> 4) * sc
+                w_o = _e2m1(b & 15) * sc
+        if HALF16 == 0:
             acc += tl.dot(x_e, tl.trans(w_e), input_precision="ieee")
             acc += tl.dot(x_o, tl.trans(w_o), input_precision="ieee")
         else:
             acc += tl.dot(x_e, tl.trans(w_e))
             acc += tl.dot(x_o, tl.trans(w_o))
+    if FMT == 1 and HALF16 > 0:  # the offset's share: OFFSET * sum(x) over this program's columns
+        acc -= (1032.0 if HALF16 == 1 else 136.0) * x_sum[:, None]
     if FMT == 1:
         acc *= tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     else:
@@ -136,23 +181,23 @@ def _tile4(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, N
 def _gemv4_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, T0, T1, T2, T3, Y0, Y1, Y2, Y3, M, K, K_PER,
                   N0, N1, N2, N3, E0, E1, E2, sx_m, sw0, sw1, sw2, sw3, sc0, sc1, sc2, sc3,
                   sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3, NRM, n_nrm, s_nrm, n_mean, eps, PF, n_pf,
-                  COUNT: tl.constexpr, FMT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  COUNT: tl.constexpr, FMT: tl.constexpr, HALF16: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr,
                   PREFETCH: tl.constexpr):
     # Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (as ``gemv._gemv_kernel``).
     pid = tl.program_id(0)
     if pid < E0:
         _tile4(X, W0, S0, T0, Y0, M, N0, K, K_PER, sx_m, sw0, sc0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps,
-               FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+               FMT, HALF16, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
     elif COUNT > 1 and pid < E1:
         _tile4(X, W1, S1, T1, Y1, M, N1, K, K_PER, sx_m, sw1, sc1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean,
-               eps, FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+               eps, FMT, HALF16, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
     elif COUNT > 2 and pid < E2:
         _tile4(X, W2, S2, T2, Y2, M, N2, K, K_PER, sx_m, sw2, sc2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean,
-               eps, FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+               eps, FMT, HALF16, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
     elif COUNT > 3:
         _tile4(X, W3, S3, T3, Y3, M, N3, K, K_PER, sx_m, sw3, sc3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean,
-               eps, FMT, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
+               eps, FMT, HALF16, BLOCK_M, BLOCK_N, BLOCK_K, PDL, ROW_NORM)
     if PREFETCH:
         prefetch_share(PF, n_pf, 128)
 
@@ -226,7 +271,7 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     _gemv4_kernel[(total, parts)](
         x2, *ws, *ss, *ts, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws), *cc,
         *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,
-        COUNT=len(weights), FMT=FMT[first.fmt], IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n,
+        COUNT=len(weights), FMT=FMT[first.fmt], HALF16=X_KIND[x.dtype], BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, num_warps=warps, num_stages=stages,
         **launch_args(x.device))
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]

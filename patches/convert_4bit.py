@@ -144,9 +144,16 @@ def _quantized(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], dict
         qt = QuantizedTensor.from_float(w, "TensorCoreConvRotW4A4Layout", convrot_groupsize=GROUP)
         conf = {"format": fmt, "convrot_groupsize": GROUP}
     else:
-        qt = QuantizedTensor.from_float(w, "TensorCoreNVFP4Layout")
+        qt = QuantizedTensor.from_float(nvfp4_input(w), "TensorCoreNVFP4Layout")
         conf = {"format": fmt}
     return qt.state_dict(""), conf
+
+
+def nvfp4_input(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as comfy-kitchen's NVFP4 quantizer takes it: its CUDA kernel takes bf16 / fp16 only
+    (float32 raises "Unsupported dtype code"), so a float32 weight on a GPU is rounded to bf16 first
+    (2^-9 relative, far below the 4-bit step); elsewhere as it is."""
+    return w.to(torch.bfloat16) if w.is_cuda and w.dtype == torch.float32 else w
 
 
 def _planned(fmt: str, n: int, k: int) -> dict[str, tuple[str, list[int]]]:

@@ -45,14 +45,17 @@ def comfy_weight(f, layer: str, conf: dict, shape) -> torch.Tensor:
     return ck.QuantizedTensor(q, LAYOUTS[conf["format"]], params).dequantize()
 
 
-@pytest.mark.parametrize("fmt, kind", [("convrot_w4a4", "int8_convrot"), ("nvfp4", "bf16")])
-def test_converted_file_is_comfys_format_and_round_trips(tmp_path, kind, fmt):
+@pytest.mark.parametrize("fmt, kind, device", [
+    ("convrot_w4a4", "int8_convrot", "cpu"), ("nvfp4", "bf16", "cpu"),
+    pytest.param("nvfp4", "int8_convrot", "cuda", marks=pytest.mark.gpu),  # kitchen's CUDA quantizer: no float32
+    pytest.param("convrot_w4a4", "int8_convrot", "cuda", marks=pytest.mark.gpu)])
+def test_converted_file_is_comfys_format_and_round_trips(tmp_path, kind, fmt, device):
     from safetensors import safe_open
 
     src = source_file(tmp_path, kind)
     seen, errors = [], {}
     out = convert_4bit.convert(src, tmp_path, fmt, progress=lambda d, t, k: seen.append((d, t)), errors=errors,
-                               device="cpu")
+                               device=device)
     assert out.name == f"tiny.{fmt}.safetensors" and not list(tmp_path.glob("*.part"))
     steps = convert_4bit.plan(src, fmt)
     assert seen[-1] == (len(steps), len(steps)) and len(seen) == len(steps)

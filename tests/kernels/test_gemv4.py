@@ -4,7 +4,9 @@ with the weight as ComfyUI itself dequantizes the same stored tensors (comfy-kit
 
 import pytest
 import torch
-from qwen35_fast.kernels.gemv4 import gemv4, gemv4_group, gemv4_reason
+import triton
+import triton.language as tl
+from qwen35_fast.kernels.gemv4 import X_KIND, _e2m1_16, _nibbles16, gemv4, gemv4_group, gemv4_reason
 from qwen35_fast.kernels.packed4 import Packed4, dequantize
 
 pytestmark = pytest.mark.interpreter  # Triton on CPU tensors: run with TRITON_INTERPRET=1 (tests/conftest.py)
@@ -95,6 +97,26 @@ def test_prerotated_input_and_mutations(rng):
     assert rel(gemv4(x, Packed4("nvfp4", (u << 4) | (u >> 4), q.scale, q.block_scale, 19, k), config=CFG), ref) > 0.3
     flat = torch.ones_like(q.block_scale.float()).to(torch.float8_e4m3fn)  # block scales dropped
     assert rel(gemv4(x, Packed4("nvfp4", u, q.scale, flat, 19, k), config=CFG), ref) > 0.3
+
+
+@triton.jit
+def _bits(OUT_I, OUT_F, HALF16: tl.constexpr):
+    nib = tl.arange(0, 16)
+    tl.store(OUT_I + nib, _nibbles16(nib, HALF16))
+    tl.store(OUT_F + nib, _e2m1_16(nib, HALF16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_nibble_bit_patterns(dtype):
+    """Every 4-bit code made into fp16 / bf16 by integer operations alone (``_nibbles16``,
+    ``_e2m1_16``): a signed nibble q becomes OFFSET + q, an E2M1 code its value (the OCP table)."""
+    out_i, out_f = torch.zeros(16, dtype=torch.int16), torch.zeros(16, dtype=torch.int16)
+    _bits[(1,)](out_i, out_f, HALF16=X_KIND[dtype])
+    signed = torch.tensor([n - 16 if n >= 8 else n for n in range(16)], dtype=torch.float64)
+    offset = {torch.float16: 1032, torch.bfloat16: 136}[dtype]
+    assert torch.equal(out_i.view(dtype).double(), offset + signed)
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    assert torch.equal(out_f.view(dtype).double(), torch.tensor(e2m1 + [-v for v in e2m1], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("fmt, n, k", [("convrot_w4a4", 21, 512), ("nvfp4", 130, 100)])
