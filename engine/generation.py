@@ -225,10 +225,12 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
             catch.append((keep, binding.embed(token_ids(new, device), dtype, device)))
             depth = min(control.shadow_depth(), max_length - len(sampler.generated) - 1)
             if depth > 0:  # the head catches up and drafts; the next segment's tokens score the drafts
+                probe = time.perf_counter()
                 hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
                 drafts, _ = draft(binding, runner, sampler, positions, hid, emb, mtp_start, cache.length, depth,
                                   chunk=req.mtp_depth + 1)
                 catch, shadow = [], drafts.tolist()
+                control.costs.add_probe(time.perf_counter() - probe)
             pending_id, clock = None, time.perf_counter()
             continue
         first = k not in ran

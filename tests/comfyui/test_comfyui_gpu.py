@@ -154,13 +154,17 @@ def test_budget_run(tmp_path, triton):
     result = json.loads(out.read_text())
     assert result["tokens_equal"] and result["triton"] == triton, result
     assert result["peak_gb"] <= 4.0
+    def on_gpu(loaded, standin: bool) -> float:
+        return sum(m["gpu_gb"] for m in loaded if (m["model"] == "Sequential") == standin)
+
     after = result["loaded_after_standin"]
-    assert any(m["model"] == "Sequential" and m["gpu_gb"] > 2.5 for m in after), after  # the stand-in, loaded
+    # the stand-in on the GPU (ComfyUI may keep part of it off: 1.9 of 3 GB on an H100), the text encoder off
+    assert on_gpu(after, True) > 1.0 and on_gpu(after, False) < 0.1, after
     assert sum(m["gpu_gb"] for m in after) <= 4.0, after
     first, again = result["runs"]
     assert first["loaded"] and again["tok_s"] > 0
-    # the second run's text encoder back on the GPU beside what ComfyUI kept of the stand-in
-    assert any(m["model"] != "Sequential" and m["gpu_gb"] > 0.5 for m in again["loaded"]), again["loaded"]
+    # the second run's text encoder back on the GPU, and for it less of the stand-in than before
+    assert on_gpu(again["loaded"], False) > 0.5 and on_gpu(again["loaded"], True) < on_gpu(after, True), again
     assert sum(m["gpu_gb"] for m in again["loaded"]) <= 4.0, again["loaded"]
 
 

@@ -45,6 +45,12 @@ class StandIn:
     def add_capture(self, seconds: float) -> None:
         pass
 
+    def add_probe(self, seconds: float) -> None:
+        pass
+
+    def probe(self) -> None:  # untimed probes: segments start at FIRST_SEGMENT
+        return None
+
 
 def oracle_depth(acceptance: list[float], slope: float, max_depth: int = 5) -> tuple[int, float]:
     """argmax over k of E_k / c_k, computed here from the true per-position acceptance; and the
@@ -277,6 +283,26 @@ def test_a_new_depth_must_be_worth_its_capture():
     # saved over h tokens: h / (2 / 1.2) - h / (6 / 2) = 0.267 h > 100 once h = tokens so far > 375
     assert 375 <= left <= 420, left  # the estimates reach ~0.99 a few cycles in
     assert tokens_at_depth_1(100.0, room=300) == 600  # never: 300 cycles of 2 tokens at depth 1
+
+
+def test_probes_stay_a_small_share_of_plain_time():
+    """Half the first drafts kept (the shadow probes keep matching) but drafting never worth its
+    capture: the controller stays plain, and once a probe is timed at 3 plain steps the segments
+    after a matched probe are long enough that probes cost PROBE_SHARE of the plain time (150
+    tokens), not FIRST_SEGMENT (probing every 32 tokens would cost 9%)."""
+    costs = CycleCosts(5)
+    for _ in range(3):
+        costs.add(0, 0.004)
+        costs.add(1, 0.0052)
+    costs.add_capture(10.0)  # a capture no horizon repays: plain steps throughout
+    controller = DepthController(5, costs, start=0)
+    assert controller.shortest_segment() == mtp_auto.FIRST_SEGMENT  # no probe timed yet
+    costs.add_probe(0.012)
+    assert controller.shortest_segment() == 150  # 0.012 / (0.02 * 0.004)
+    depths = simulate(controller, [0.5] * 5, 40, seed=3)
+    assert set(depths) == {0}
+    probes = 40  # one per plain segment
+    assert len(depths) / probes >= 150 * 0.9, len(depths) / probes
 
 
 def test_the_last_generation_length_sets_the_horizon():
