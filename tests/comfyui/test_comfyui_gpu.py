@@ -154,6 +154,7 @@ def test_budget_run(tmp_path, triton):
     result = json.loads(out.read_text())
     assert result["tokens_equal"] and result["triton"] == triton, result
     assert result["peak_gb"] <= 4.0
+
     def on_gpu(loaded, standin: bool) -> float:
         return sum(m["gpu_gb"] for m in loaded if (m["model"] == "Sequential") == standin)
 
