@@ -137,7 +137,7 @@ def resolve_backend(q: torch.Tensor, scale: float) -> str:
         if not on_cpu:
             say_once(log, f"decode_attention: Triton kernel unavailable ({t_why}); using '{choice}'"
                       + ("" if choice == "kitchen" else
-                         f" (kitchen: {k_why}): torch SDPA over the filled length rounded up to "
+                         f" (kitchen: {k_why}): torch attention over the filled length rounded up to "
                          f"{attention_torch.BUCKET} slots")
                       + ". Cost follows the filled length, not the capacity, and the step can be captured "
                       "in CUDA graphs.")
