@@ -15,14 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.convrot import hadamard, hadamard_rotate_torch
+from ..kernels.convrot import hadamard_cached, hadamard_rotate_torch
 from .plain_weights import PlainLinear
 
 #: Rows ``torch._int_mm`` is given (it needs more than 16; a multiple of 8).
 PAD_ROWS = 32
-
-_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
-
 
 def int8_rows_ok(plain: PlainLinear | None) -> bool:
     """True for an int8 weight ``[N, K]`` with one float32 scale per output this product reads."""
@@ -38,10 +35,7 @@ def int8_rows(x: torch.Tensor, plain: PlainLinear) -> torch.Tensor:
     if m > PAD_ROWS:
         raise ValueError(f"int8_rows takes at most {PAD_ROWS} rows, got {m}")
     if plain.convrot:
-        key = (plain.convrot, x.device)
-        if key not in _HADAMARD:
-            _HADAMARD[key] = hadamard(plain.convrot, device=x.device)
-        rows = hadamard_rotate_torch(rows, _HADAMARD[key])
+        rows = hadamard_rotate_torch(rows, hadamard_cached(plain.convrot, x.device, torch.float32))
     scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
     q = (rows / scale).round_().clamp_(-127, 127).to(torch.int8)
     acc = torch._int_mm(F.pad(q, (0, 0, 0, PAD_ROWS - m)), plain.weight.t())[:m]

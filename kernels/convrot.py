@@ -1,4 +1,5 @@
-"""ConvRot's rotation in plain torch (no Triton needed): the matrix, and the torch twin of the rotation.
+"""ConvRot's rotation in plain torch (no Triton needed): the matrix (``hadamard_cached``: built once
+per group, device and dtype), and the torch twin of the rotation.
 
 ComfyUI's int8_tensorwise ConvRot weights are stored rotated per group of G input features
 (``W_rot = W @ H.T``, H the normalized regular Hadamard matrix of size G); a product with them
@@ -33,3 +34,15 @@ def hadamard_rotate_torch(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     one rounding to x's dtype. Same math as ``convrot_triton.hadamard_rotate``."""
     g = h.shape[0]
     return (x.reshape(-1, g).float() @ h.to(device=x.device, dtype=torch.float32)).to(x.dtype).reshape(x.shape)
+
+
+_HADAMARD: dict[tuple, torch.Tensor] = {}
+
+
+def hadamard_cached(group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """ConvRot's normalized H_group ``[group, group]`` in ``dtype`` on ``device`` (built once each,
+    outside any graph capture: the eager step before a capture builds it)."""
+    key = (group, device, dtype)
+    if key not in _HADAMARD:
+        _HADAMARD[key] = hadamard(group, dtype=dtype, device=device).contiguous()
+    return _HADAMARD[key]

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .capabilities import triton_device_reason
-from .convrot import convrot_group_ok, hadamard, hadamard_rotate_torch
+from .convrot import convrot_group_ok, hadamard, hadamard_cached, hadamard_rotate_torch
 from .pdl import enter, launch_args
 
 #: The widest tile a kernel rotates itself (``rotation``): the block-diagonal product of
@@ -116,18 +116,6 @@ def flat_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     """x ``[..., k]`` as ``[M, k]`` rows with a unit column stride (a view where one exists)."""
     x2 = x.reshape(-1, k)
     return x2 if x2.stride(1) == 1 else x2.contiguous()
-
-
-_HADAMARD: dict[tuple, torch.Tensor] = {}
-
-
-def hadamard_cached(group: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """ConvRot's normalized H_group ``[group, group]`` in ``dtype`` on ``device`` (built once each,
-    outside any graph capture: the eager step before a capture builds it)."""
-    key = (group, device, dtype)
-    if key not in _HADAMARD:
-        _HADAMARD[key] = hadamard(group, dtype=dtype, device=device).contiguous()
-    return _HADAMARD[key]
 
 
 def rotation(op: str, rotate: int, width: int, block: int) -> int:
