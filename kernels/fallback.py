@@ -15,6 +15,11 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   rows): wider K tiles spill the unpacked weights from registers (w4a4 12352x4096: 72 us at 1024
   columns, 47 at 256; nvfp4: 999 us against 109), and stages barely matter (by all signs the
   unpacking arithmetic bounds the tile, not memory latency).
+* 4-bit word tile (``gemv4w_config``, convrot_w4a4 on the FMA units): one warp, 512 weight columns
+  (64 words) per K tile, 16 outputs for 1-2 rows, 8 for 3-4, 4 for 5-8 (the
+  accumulators grow with the rows: at 8 rows and 8 outputs ptxas spills), one stage (Triton pipelines
+  no load that feeds no dot). Split-K (``gemv4w_split``): enough one-warp programs to keep the memory
+  system busy, 16 per SM, a power of two up to 16 and at most one range per K tile.
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
   SM for 8-bit weights, 2 for 16-bit) cuts K into the largest power of two of ranges that reaches
   it, at most 8 and at most one range per K tile.
@@ -114,6 +119,25 @@ def _gemv_shape_pick(n: int, k: int, quant: bool, rows: int, shared: int | None)
     if 8192 <= n and k < 8192:
         return 32, 128, 4, 5
     return 32, 256, 4, 4
+
+
+def gemv4w_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K in weight columns, warps, stages) of the 4-bit word tile (``gemv4w.py``) for
+    ``n`` outputs over width ``k`` and ``rows`` rows: the rule in the module docstring (no shared
+    memory: any GPU fits it)."""
+    block_n = 16 if rows <= 2 else 8 if rows <= 4 else 4
+    block_k = min(512, max(32, 1 << max(0, k - 1).bit_length()))
+    return block_n, block_k, 1, 1
+
+
+def gemv4w_split(n: int, k: int, record: DeviceRecord | None, block_n: int, block_k: int) -> int:
+    """K ranges of a word-tile product whose consumer sums the partials (module docstring)."""
+    sms = HOPPER_SMS if record is None else record.sms
+    want = 16 * sms / -(-n // block_n)
+    split = 1
+    while split * 2 <= min(want, 16, max(1, k // block_k)):
+        split *= 2
+    return split
 
 
 def gemv_split(n: int, k: int, quant: bool, record: DeviceRecord | None, block_n: int = 32,

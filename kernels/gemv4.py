@@ -38,6 +38,8 @@ import triton.language as tl
 from . import launch
 from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
 from .gemv import MAX_GEMV_ROWS, MAX_GROUP, _prefetch_args, _row_norm_args
+from .capabilities import compiled
+from .gemv4w import gemv4w_kernel
 from .packed4 import FORMATS, Packed4, packed_reason, round_up
 from .pdl import launch_args, trigger, wait
 from .ptx import prefetch_share
@@ -245,36 +247,55 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     m = x2.shape[0]
     nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
     ns = [p.n for p in weights]
+    words = launch.gemv4_words(first.fmt, k, m) and all(_word_aligned(p.qdata) for p in weights)
     cfg = tuple(config) if config is not None else \
-        launch.gemv4(sum(ns), k, first.fmt, m, x.device, weights=len(weights), x_bytes=x.element_size())[0]
+        launch.gemv4(sum(ns), k, first.fmt, m, x.device, weights=len(weights), x_bytes=x.element_size(),
+                     words=words)[0]
     block_n, block_k, warps, stages = cfg[:4]
     block_k = max(32, min(block_k, triton.next_power_of_2(k)))
-    if block_k % 32 or block_n < 16:
-        raise ValueError(f"gemv4: config {cfg}: BLOCK_K must be a multiple of 32 and BLOCK_N at least 16")
+    if block_k % 32 or block_n < (1 if words else 16):
+        raise ValueError(f"gemv4: config {cfg}: BLOCK_K must be a multiple of 32 and BLOCK_N at least "
+                         f"{1 if words else 16}")
     k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     parts = triton.cdiv(k, k_per)
     shape = (m,) if split == 1 else (parts, m)
     outs = [torch.empty(*shape, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device) for n in ns]
-    nv = first.fmt == "nvfp4"
-    ss = [p.block_scale.view(torch.uint8).reshape(-1) if nv else p.scale.reshape(-1) for p in weights]
-    ts = [p.scale.reshape(-1) for p in weights]
-    cols = [p.block_scale.numel() // round_up(round_up(p.n, 16), 128) if nv else 0 for p in weights]
     ends, total = [], 0
     for n in ns:
         total += triton.cdiv(n, block_n)
         ends.append(total)
     pad = MAX_GROUP - len(weights)
     pf = _prefetch_args(prefetch, x.device, prefetch_bytes) or (x2, 0)
+    ys, nn, ee = outs + [outs[0]] * pad, ns + [0] * pad, (ends + [total] * pad)[:3]
+    common = dict(num_warps=warps, num_stages=stages, **launch_args(x.device))
+    if words:
+        ws = [p.qdata.view(torch.int32) for p in weights]
+        ws, ss = ws + [ws[0]] * pad, [p.scale.reshape(-1) for p in weights] + [weights[0].scale.reshape(-1)] * pad
+        even = k % k_per == 0 and all(n % block_n == 0 for n in ns)
+        gemv4w_kernel[(total, parts)](
+            x2, *ws, *ss, *ys, k // 8, k_per // 8, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
+            *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf, 1,
+            COUNT=len(weights), ROWS=m, BLOCK_N=block_n, BLOCK_W=block_k // 8, EVEN=even,
+            PTX=compiled(x.device) and torch.version.hip is None, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0,
+            VEC=len(cfg) > 4 and cfg[4] == 1, EXACT=x.dtype == torch.float32, **common)
+        return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
+    nv = first.fmt == "nvfp4"
+    ss = [p.block_scale.view(torch.uint8).reshape(-1) if nv else p.scale.reshape(-1) for p in weights]
+    ts = [p.scale.reshape(-1) for p in weights]
+    cols = [p.block_scale.numel() // round_up(round_up(p.n, 16), 128) if nv else 0 for p in weights]
     ws = [p.qdata for p in weights]
-    ws, ss, ts, ys = ws + [ws[0]] * pad, ss + [ss[0]] * pad, ts + [ts[0]] * pad, outs + [outs[0]] * pad
-    nn, ee, cc = ns + [0] * pad, (ends + [total] * pad)[:3], cols + [0] * pad
+    ws, ss, ts, cc = ws + [ws[0]] * pad, ss + [ss[0]] * pad, ts + [ts[0]] * pad, cols + [0] * pad
     _gemv4_kernel[(total, parts)](
         x2, *ws, *ss, *ts, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws), *cc,
         *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,
         COUNT=len(weights), FMT=FMT[first.fmt], HALF16=X_KIND[x.dtype], BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=block_k, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, num_warps=warps, num_stages=stages,
-        **launch_args(x.device))
+        BLOCK_K=block_k, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, **common)
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
+
+
+def _word_aligned(q: torch.Tensor) -> bool:
+    """True where ``q``'s rows can be read as 32-bit words (``gemv4w.py``): 4-byte aligned rows."""
+    return q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and q.shape[-1] % 4 == 0
 
 
 def gemv4(x: torch.Tensor, p: Packed4, *, rotate: bool = True, config: tuple[int, ...] | None = None,

@@ -17,8 +17,9 @@ count or ``*`` (any; an exact count first):
 kernel         kind                 shape       fields
 =============  ===================  ==========  ==============================================
 ``gemv``       ``quant`` / float    ``NxK``     ``config`` [BLOCK_N, BLOCK_K, warps, stages(,
-               / ``w4a4`` /                     K slices)], ``split`` (K ranges, split-K); the
-               ``nvfp4``                        4-bit kinds (``gemv4``) use the first four
+               / ``w4a4`` /                     K slices)], ``split`` (K ranges, split-K); ``w4a4``:
+               ``nvfp4``                        the word tile (fifth value 1: vector loads);
+                                                ``nvfp4`` uses the first four
 ``deltanet``   ``rotate`` / plain   ``DKxDV``   ``blocks`` (value-column blocks), ``warps``
 ``attention``  ``d<D>``             ``g<G>``    ``splits``, ``BLOCK_N``, ``num_stages``,
                                                 ``num_warps``
@@ -196,13 +197,28 @@ def gemv(n: int, k: int, quant: bool, rows: int, device, *, weights: int = 1,
 GEMV4_KINDS = {"convrot_w4a4": "w4a4", "nvfp4": "nvfp4"}
 
 
+def gemv4_words(fmt: str, k: int, rows: int) -> bool:
+    """True where a 4-bit product runs ``gemv4w.py``'s word tile (convrot_w4a4, K a multiple of 8, at
+    most ``gemv4w.MAX_ROWS`` (8) rows; the storage's alignment is checked by ``gemv4.gemv4_group``),
+    else ``gemv4.py``'s tensor-core tile."""
+    return fmt == "convrot_w4a4" and k % 8 == 0 and 1 <= rows <= 8
+
+
 def gemv4(n: int, k: int, fmt: str, rows: int, device, *, weights: int = 1,
-          x_bytes: int = 2) -> tuple[tuple[int, ...], int]:
-    """(config, split) of a 4-bit GEMV launch (``gemv4.py``): as ``gemv``, the table's kind
-    ``w4a4`` / ``nvfp4`` (``GEMV4_KINDS``); config = (BLOCK_N, BLOCK_K in weight columns, warps,
-    stages) (a table's fifth value, K slices, is not used by the 4-bit tile)."""
+          x_bytes: int = 2, words: bool | None = None) -> tuple[tuple[int, ...], int]:
+    """(config, split) of a 4-bit GEMV launch: as ``gemv``. The word tile (``words``, default
+    ``gemv4_words``): the table's kind ``w4a4``, else ``fallback.gemv4w_config`` / ``gemv4w_split``;
+    config = (BLOCK_N, BLOCK_K in weight columns, warps, stages[, 1: vector loads]). The tensor-core
+    tile: kind ``nvfp4`` (a table's fifth value, K slices, is not used), else
+    ``fallback.gemv4_config``; config = (BLOCK_N, BLOCK_K in weight columns, warps, stages)."""
     record = _record(device)
-    found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record)
+    if gemv4_words(fmt, k, rows) if words is None else words:
+        found = lookup("gemv", "w4a4", f"{n}x{k}", rows, record)
+        config = tuple(found["config"]) if "config" in found else fallback.gemv4w_config(n, k, rows)
+        split = int(found["split"]) if "split" in found else \
+            fallback.gemv4w_split(n, k, record, config[0], config[1])
+        return config, split
+    found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record) if fmt == "nvfp4" else {}
     config = tuple(found["config"])[:4] if "config" in found else \
         fallback.gemv4_config(n, k, rows, record, weights, x_bytes, fmt)
     split = int(found["split"]) if "split" in found else \

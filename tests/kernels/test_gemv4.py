@@ -41,10 +41,12 @@ def tol(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test below
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("fmt, n, k, group", [("convrot_w4a4", 37, 320, 64), ("convrot_w4a4", 21, 256, 256),
-                                              ("nvfp4", 37, 100, 0), ("nvfp4", 130, 64, 0)])
+                                              ("convrot_w4a4", 32, 512, 256), ("nvfp4", 37, 100, 0),
+                                              ("nvfp4", 130, 64, 0)])
 def test_4bit_matches_comfy_dequantization(rng, fmt, n, k, group, dtype, rows):
     """Odd output widths (nvfp4: rows and columns padded in storage, 130 rows over two swizzle tiles),
-    K no tile multiple, x rows strided inside a wider tensor."""
+    K no tile multiple, x rows strided inside a wider tensor; 32 x 512: whole tiles (convrot_w4a4's
+    word tile without masks)."""
     p, w = stored(rng, fmt, n, k, group)
     wide = torch.randn(rows, k + 7, generator=rng).to(dtype)
     x = wide[:, 3:3 + k]  # row stride k + 7
@@ -97,6 +99,37 @@ def test_prerotated_input_and_mutations(rng):
     assert rel(gemv4(x, Packed4("nvfp4", (u << 4) | (u >> 4), q.scale, q.block_scale, 19, k), config=CFG), ref) > 0.3
     flat = torch.ones_like(q.block_scale.float()).to(torch.float8_e4m3fn)  # block scales dropped
     assert rel(gemv4(x, Packed4("nvfp4", u, q.scale, flat, 19, k), config=CFG), ref) > 0.3
+
+
+class _Spy:
+    """Stands in for a kernel object: counts its launches and runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_word_tile_and_tensor_core_tile(rng, monkeypatch, dtype):
+    """convrot_w4a4 runs the word tile (``gemv4w.py``) for 1..8 rows of 4-byte aligned storage and the
+    tensor-core tile for more rows or storage no word can be read from: both equal the reference."""
+    from qwen35_fast.kernels import gemv4 as mod
+
+    spy = monkeypatch.setattr(mod, "gemv4w_kernel", _Spy(mod.gemv4w_kernel)) or mod.gemv4w_kernel
+    p, w = stored(rng, "convrot_w4a4", 48, 512, 256)
+    raw = torch.zeros(p.qdata.numel() + 1, dtype=torch.int8)
+    shifted = raw[1:].view(p.qdata.shape)  # one byte off a word boundary
+    shifted.copy_(p.qdata)
+    odd = Packed4(p.fmt, shifted, p.scale, None, p.n, p.k, p.convrot)
+    for rows, packed, words in ((1, p, 1), (8, p, 1), (9, p, 0), (16, p, 0), (2, odd, 0)):
+        x = torch.randn(rows, 512, generator=rng).to(dtype)
+        before = spy.launches
+        out = gemv4(x, packed, config=CFG)
+        assert spy.launches - before == words, (rows, words)
+        assert rel(out, x.double() @ w.T) < tol(dtype), (rows, words)
 
 
 @triton.jit

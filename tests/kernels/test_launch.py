@@ -115,11 +115,17 @@ def test_the_fallback_fits_every_gpu_and_every_size(gpu):
                 for fmt in ("convrot_w4a4", "nvfp4"):
                     for rows in (1, 4, 8):
                         config, parts = launch.gemv4(n, k, fmt, rows, gpu, weights=weights)
-                        bn, bk, warps, stages = config
+                        bn, bk, warps, stages = config[:4]
+                        assert all(v & (v - 1) == 0 for v in (bn, bk, warps)), config
+                        if launch.gemv4_words(fmt, k, rows):  # the word tile: no shared memory, one warp
+                            assert (warps, stages) == (1, 1) and 32 <= bk <= 512 and bn <= 16, config
+                            assert parts & (parts - 1) == 0 and 1 <= parts <= 16
+                            if split and parts > 1:
+                                assert -(-n // bn) * parts <= 32 * gpu.sms  # 16 one-warp programs an SM
+                            continue
                         need = weights * max(1, stages - 1) * (bn * bk // 2 + 16 * bk * 2)
                         assert need <= gpu.shared, (size, n, k, fmt, rows, config, need)
-                        assert all(v & (v - 1) == 0 for v in (bn, bk, warps)) and stages >= 2, config
-                        assert 32 <= bk <= 256 and bn >= 16, config  # wider K tiles spill (fallback.py)
+                        assert stages >= 2 and 32 <= bk <= 256 and bn >= 16, config  # wider K tiles spill
                         assert parts & (parts - 1) == 0 and 1 <= parts <= 8
     for rows in (1, 4, 8):
         for itemsize in (2, 4):

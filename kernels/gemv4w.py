@@ -1,0 +1,225 @@
+"""convrot_w4a4 weights in the decode-row products, read as 32-bit words on the FMA units (Triton).
+
+The tile behind ``gemv4.gemv4_group`` for ``convrot_w4a4`` weights whose rows are whole 32-bit words
+(K a multiple of 8, the storage 4-byte aligned) and 1..8 rows of x; ``gemv4.py``'s tensor-core tile
+takes the rest and ``nvfp4``.
+
+Each 32-bit word holds the signed nibbles of 8 consecutive columns (column 8w + j in bits 4j..4j+3,
+kitchen's even-column-low order). Per word, integer work alone makes 8 float32 values 136 + q: the
+nibbles of the even and odd columns are masked into bytes and flipped by 8 (``(w & 0x0F0F0F0F) ^
+0x08080808``, the same for ``w >> 4``: q + 8 in 0..15), and each byte becomes the float32 whose bits
+are ``0x43000000 | byte << 16`` (128 + byte: one byte permute on NVIDIA GPUs, ``_nib8_ptx``; shifts
+and masks elsewhere, ``_nib8_ops``, same values). Each row of x is loaded as ``[words, 8]`` (its 8
+columns of a word in one thread) and split into its 8 columns; the float32 products accumulate per
+word, and ``136 * sum(x)`` leaves the sum at the end (every term exact but the float32 products and
+sums). The per-row float32 scale multiplies the result, as does ``row_norm``'s factor.
+
+No tensor cores, no shared memory: one warp per program, each lane owning whole words, so no value
+crosses lanes before the final sum. Launch config ``(BLOCK_N, BLOCK_K columns, warps, stages)`` as
+``gemv4.py``'s (``launch.gemv4``, kind ``w4a4``; ``fallback.gemv4w_config``); split-K, the group of
+up to four weights, ``prefetch`` and programmatic dependent launch as there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .pdl import trigger, wait
+from .ptx import prefetch_share
+
+#: rows of x one launch takes (one accumulator per row, unrolled)
+MAX_ROWS = 8
+OFFSET = tl.constexpr(136.0)  # 128 from the exponent bits, 8 from the flipped sign bit
+
+
+@triton.jit
+def _nib8_ptx(wd):
+    # 8 float32 (136 + q) from each int32 word, column order 0..7: prmt puts byte b of lo / hi under
+    # the exponent byte 0x43 (selector 0x7b44: bytes 4, 4, b, 7 of {lo, m}).
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 lo, hi, m;
+        lop3.b32 lo, $8, 0x0F0F0F0F, 0x08080808, 0x6a;
+        shr.b32 hi, $8, 4;
+        lop3.b32 hi, hi, 0x0F0F0F0F, 0x08080808, 0x6a;
+        mov.b32 m, 0x43000000;
+        prmt.b32 $0, lo, m, 0x7044;
+        prmt.b32 $1, hi, m, 0x7044;
+        prmt.b32 $2, lo, m, 0x7144;
+        prmt.b32 $3, hi, m, 0x7144;
+        prmt.b32 $4, lo, m, 0x7244;
+        prmt.b32 $5, hi, m, 0x7244;
+        prmt.b32 $6, lo, m, 0x7344;
+        prmt.b32 $7, hi, m, 0x7344;
+        }""",
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wd], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _byte_f(src, B: tl.constexpr):
+    # byte B of src (0..15) -> float32 128 + byte
+    if B == 0:
+        t = (src << 16) & 0x00FF0000
+    elif B == 1:
+        t = (src << 8) & 0x00FF0000
+    elif B == 2:
+        t = src & 0x00FF0000
+    else:
+        t = (src >> 8) & 0x00FF0000
+    return (t | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nib8(wd, PTX: tl.constexpr):
+    # (f0..f7): float32 136 + q of columns 8w + 0..7 of each word w
+    if PTX:
+        return _nib8_ptx(wd)
+    lo = (wd & 0x0F0F0F0F) ^ 0x08080808
+    hi = ((wd >> 4) & 0x0F0F0F0F) ^ 0x08080808
+    return (_byte_f(lo, 0), _byte_f(hi, 0), _byte_f(lo, 1), _byte_f(hi, 1), _byte_f(lo, 2), _byte_f(hi, 2),
+            _byte_f(lo, 3), _byte_f(hi, 3))
+
+
+@triton.jit
+def _columns(xv):
+    # x tile [BLOCK_W, 8] -> its 8 columns, each [BLOCK_W] (in-thread splits)
+    bw: tl.constexpr = xv.shape[0]
+    a, b = tl.split(tl.reshape(xv, (bw, 4, 2)))
+    a0, a1 = tl.split(tl.reshape(a, (bw, 2, 2)))
+    b0, b1 = tl.split(tl.reshape(b, (bw, 2, 2)))
+    x0, x4 = tl.split(a0)
+    x2, x6 = tl.split(a1)
+    x1, x5 = tl.split(b0)
+    x3, x7 = tl.split(b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _row(acc, xs, f0, f1, f2, f3, f4, f5, f6, f7, Xr, offs_w, w_hi, EVEN: tl.constexpr, EXACT: tl.constexpr):
+    # one row of x against the tile's words: acc [BLOCK_N, BLOCK_W] += f * x; xs += x unless EXACT
+    # (f is q itself there, not 136 + q)
+    cols = (offs_w * 8)[:, None] + tl.arange(0, 8)[None, :]
+    if EVEN:
+        xv = tl.load(Xr + cols)
+    else:
+        xv = tl.load(Xr + cols, mask=(offs_w < w_hi)[:, None], other=0.0)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _columns(xv.to(tl.float32))
+    if not EXACT:
+        xs += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    acc += f0 * x0[None, :]
+    acc += f1 * x1[None, :]
+    acc += f2 * x2[None, :]
+    acc += f3 * x3[None, :]
+    acc += f4 * x4[None, :]
+    acc += f5 * x5[None, :]
+    acc += f6 * x6[None, :]
+    acc += f7 * x7[None, :]
+    return acc, xs
+
+
+@triton.jit
+def _store(acc, xs, scale, Yr, offs_n, n_ok, NRMr, n_nrm, n_mean, eps, ROW_NORM: tl.constexpr):
+    # one row's result: (sum(acc) - OFFSET * sum(xs)) * scale [* its RMSNorm factor]
+    out = (tl.sum(acc, 1) - OFFSET * tl.sum(xs, 0)) * scale
+    if ROW_NORM > 0:
+        j = tl.arange(0, ROW_NORM)
+        sq = tl.load(NRMr + j, mask=j < n_nrm, other=0.0)
+        out *= tl.rsqrt(tl.sum(sq, 0) / n_mean + eps)
+    tl.store(Yr + offs_n, out.to(Yr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _tile4w(X, W, S, Y, N, KW, W_PER, sx_m, sw_n, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps, one,
+            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
+            PTX: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr, VEC: tl.constexpr,
+            EXACT: tl.constexpr):
+    # Program (pid, program_id(1)): BLOCK_N outputs over the words [pid_k * W_PER, + W_PER). VEC 0:
+    # the words' offsets times ``one`` (1 at run time, unknown to the compiler) keep every lane on
+    # whole words of its own (no vector loads, no layout change for x); VEC 1: vector loads.
+    pid_k = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_lo = pid_k * W_PER
+    w_hi = tl.minimum(w_lo + W_PER, KW)
+    wait(PDL)
+    trigger(PDL)
+    z = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    zs = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
+    s0, s1, s2, s3, s4, s5, s6, s7 = zs, zs, zs, zs, zs, zs, zs, zs
+    for w0 in range(w_lo, w_hi, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        if VEC:
+            ptrs = W + offs_n[:, None] * sw_n + offs_w[None, :]
+        else:
+            ptrs = W + offs_n[:, None] * sw_n + offs_w[None, :] * one
+        if EVEN and PDL:  # read once: evict first, L2 keeps the activations and partials
+            wd = tl.load(ptrs, eviction_policy="evict_first")
+        elif EVEN:
+            wd = tl.load(ptrs)
+        else:
+            wd = tl.load(ptrs, mask=n_ok[:, None] & (offs_w < w_hi)[None, :], other=0)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _nib8(wd, PTX)
+        if EXACT:  # float32 x: q itself, so no sum of x leaves the accumulator (exact products)
+            f0, f1, f2, f3 = f0 - OFFSET, f1 - OFFSET, f2 - OFFSET, f3 - OFFSET
+            f4, f5, f6, f7 = f4 - OFFSET, f5 - OFFSET, f6 - OFFSET, f7 - OFFSET
+        a0, s0 = _row(a0, s0, f0, f1, f2, f3, f4, f5, f6, f7, X, offs_w, w_hi, EVEN, EXACT)
+        if ROWS > 1:
+            a1, s1 = _row(a1, s1, f0, f1, f2, f3, f4, f5, f6, f7, X + sx_m, offs_w, w_hi, EVEN, EXACT)
+        if ROWS > 2:
+            a2, s2 = _row(a2, s2, f0, f1, f2, f3, f4, f5, f6, f7, X + 2 * sx_m, offs_w, w_hi, EVEN, EXACT)
+        if ROWS > 3:
+            a3, s3 = _row(a3, s3, f0, f1, f2, f3, f4, f5, f6, f7, X + 3 * sx_m, offs_w, w_hi, EVEN, EXACT)
+        if ROWS > 4:
+            a4, s4 = _row(a4, s4, f0, f1, f2, f3, f4, f5, f6, f7, X + 4 * sx_m, offs_w, w_hi, EVEN, EXACT)
+        if ROWS > 5:
+            a5, s5 = _row(a5, s5, f0, f1, f2, f3, f4, f5, f6, f7, X + 5 * sx_m, offs_w, w_hi, EVEN, EXACT)
+        if ROWS > 6:
+            a6, s6 = _row(a6, s6, f0, f1, f2, f3, f4, f5, f6, f7, X + 6 * sx_m, offs_w, w_hi, EVEN, EXACT)
+        if ROWS > 7:
+            a7, s7 = _row(a7, s7, f0, f1, f2, f3, f4, f5, f6, f7, X + 7 * sx_m, offs_w, w_hi, EVEN, EXACT)
+    scale = tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    Yk = Y + pid_k * sy_k
+    _store(a0, s0, scale, Yk, offs_n, n_ok, NRM, n_nrm, n_mean, eps, ROW_NORM)
+    if ROWS > 1:
+        _store(a1, s1, scale, Yk + sy_m, offs_n, n_ok, NRM + s_nrm, n_nrm, n_mean, eps, ROW_NORM)
+    if ROWS > 2:
+        _store(a2, s2, scale, Yk + 2 * sy_m, offs_n, n_ok, NRM + 2 * s_nrm, n_nrm, n_mean, eps, ROW_NORM)
+    if ROWS > 3:
+        _store(a3, s3, scale, Yk + 3 * sy_m, offs_n, n_ok, NRM + 3 * s_nrm, n_nrm, n_mean, eps, ROW_NORM)
+    if ROWS > 4:
+        _store(a4, s4, scale, Yk + 4 * sy_m, offs_n, n_ok, NRM + 4 * s_nrm, n_nrm, n_mean, eps, ROW_NORM)
+    if ROWS > 5:
+        _store(a5, s5, scale, Yk + 5 * sy_m, offs_n, n_ok, NRM + 5 * s_nrm, n_nrm, n_mean, eps, ROW_NORM)
+    if ROWS > 6:
+        _store(a6, s6, scale, Yk + 6 * sy_m, offs_n, n_ok, NRM + 6 * s_nrm, n_nrm, n_mean, eps, ROW_NORM)
+    if ROWS > 7:
+        _store(a7, s7, scale, Yk + 7 * sy_m, offs_n, n_ok, NRM + 7 * s_nrm, n_nrm, n_mean, eps, ROW_NORM)
+
+
+@triton.jit(do_not_specialize=["one"])
+def gemv4w_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, KW, W_PER, N0, N1, N2, N3, E0, E1, E2,
+                  sx_m, sw0, sw1, sw2, sw3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
+                  NRM, n_nrm, s_nrm, n_mean, eps, PF, n_pf, one,
+                  COUNT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                  EVEN: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr,
+                  PREFETCH: tl.constexpr, VEC: tl.constexpr, EXACT: tl.constexpr):
+    """Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (as ``gemv._gemv_kernel``); W* are the
+    packed weights viewed as int32 ``[N, K/8]`` (row stride sw* in words), S* their float32 row scales,
+    X ``[ROWS, K]`` (row stride sx_m), Y* ``[ROWS, N]`` or float32 partials ``[P, ROWS, N]`` (sk*)."""
+    pid = tl.program_id(0)
+    if pid < E0:
+        _tile4w(X, W0, S0, Y0, N0, KW, W_PER, sx_m, sw0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps, one,
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+    elif COUNT > 1 and pid < E1:
+        _tile4w(X, W1, S1, Y1, N1, KW, W_PER, sx_m, sw1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean, eps, one,
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+    elif COUNT > 2 and pid < E2:
+        _tile4w(X, W2, S2, Y2, N2, KW, W_PER, sx_m, sw2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean, eps, one,
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+    elif COUNT > 3:
+        _tile4w(X, W3, S3, Y3, N3, KW, W_PER, sx_m, sw3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean, eps, one,
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+    if PREFETCH:
+        prefetch_share(PF, n_pf, 128)
