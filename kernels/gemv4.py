@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 
 from . import launch
+from .capabilities import compiled
 from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
 from .gemv import MAX_GEMV_ROWS, MAX_GROUP, _prefetch_args, _row_norm_args
-from .capabilities import compiled
 from .gemv4w import gemv4w_kernel
 from .packed4 import FORMATS, Packed4, packed_reason, round_up
 from .pdl import launch_args, trigger, wait
