@@ -130,12 +130,14 @@ FOUR_BIT = {"w4a4": "TensorCoreConvRotW4A4Layout", "nvfp4": "TensorCoreNVFP4Layo
 def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: bool = True, seed: int = 0) -> None:
     """A random checkpoint (decisive by default, see ``build_model``) in the HF key layout ComfyUI
     loads, bf16, int8_convrot, fp8 (float8_e4m3fn, one scale per tensor), w4a4 (convrot_w4a4) or nvfp4
-    (the decoder layers in 4 bits, ``lm_head`` int8_convrot: what the converter makes of the official file)."""
+    (the decoder layers in 4 bits, ``lm_head`` int8_convrot, the embedding int8 with a scale per row:
+    what the converter makes of the official file)."""
     from safetensors.torch import save_file
 
     model = build_model(cfg, device, torch.bfloat16, seed=seed, decisive=decisive).model
-    sd = {}
-    for name, t in model.state_dict().items():
+    sd, tensors = {}, model.state_dict()
+    untied = "lm_head.weight" in tensors
+    for name, t in tensors.items():
         key = name if name.startswith("mtp.") or name == "lm_head.weight" else HF + name
         if fmt == "fp8" and _quantized_layer(name, t):  # ComfyUI's float8_e4m3fn format, per-tensor scale
             import comfy_kitchen as ck
@@ -155,6 +157,13 @@ def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: 
             conf = {"format": "convrot_w4a4", **kw} if fmt == "w4a4" else {"format": "nvfp4"}
             sd[key[:-len(".weight")] + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()),
                                                                       dtype=torch.uint8)
+        elif fmt in FOUR_BIT and name.endswith("embed_tokens.weight") and untied:
+            from comfy_kitchen.tensor import QuantizedTensor  # as patches/convert_4bit.py writes the table
+
+            qt = QuantizedTensor.from_float(t, "TensorWiseINT8Layout", per_channel=True)
+            sd.update({k: v.cpu() for k, v in qt.state_dict(key).items()})
+            sd[key[:-len(".weight")] + ".comfy_quant"] = torch.tensor(
+                list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
         elif fmt in ("int8", *FOUR_BIT) and _quantized_layer(name, t):  # 4-bit files: lm_head int8, as converted
             from comfy_kitchen.tensor import TensorWiseINT8Layout
 
@@ -167,7 +176,7 @@ def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: 
             sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
         else:
             sd[key] = t.contiguous().cpu()
-    del model
+    del model, tensors
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -183,7 +192,7 @@ def decode_bytes(path: Path) -> int:
     total = 0
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
-            if key.endswith(("embed_tokens.weight", ".comfy_quant")) or key.startswith("mtp."):
+            if ".embed_tokens." in key or key.endswith(".comfy_quant") or key.startswith("mtp."):
                 continue
             sl = f.get_slice(key)
             n = 1

@@ -3,11 +3,15 @@ official ``int8_convrot`` file or a bf16 / fp16 / fp32 one, layer by layer.
 
 What is quantized: the decoder layers' Linear weights (``model.language_model.layers.N.*`` 2-D
 projections: attention q/k/v/o, DeltaNet in/out, MLP gate/up/down) whose width the format takes
-(convrot_w4a4: a multiple of 256, its ConvRot group; nvfp4: any). What stays as the source holds it
-(int8_convrot or 16-bit): the embedding and ``lm_head`` (measured on the random 9B, the output
-projection's 4-bit error moves every logit and costs the most top-1 agreement:
-``benchmarks/quant_quality.py``), norms, the DeltaNet conv and gate parameters (a few KB each),
-``mtp.*`` and ``model.visual.*``. ``plan`` lists the choice per tensor, with the reason.
+(convrot_w4a4: a multiple of 256, its ConvRot group; nvfp4: any). A 16-bit embedding table of a model
+whose ``lm_head`` is its own tensor (9B) is written in ComfyUI's ``int8_tensorwise`` with one scale
+per row (``EMBEDDING``: half its memory, 1 GB on the 9B; ComfyUI 0.29.0+ looks rows up in int8 and
+dequantizes only those; 0.7% relative weight error on random weights, as the int8 projections). What
+stays as the source holds it (int8_convrot or 16-bit): ``lm_head`` (measured on the random 9B, the
+output projection's 4-bit error moves every logit and costs the most top-1 agreement:
+``benchmarks/quant_quality.py``), a tied embedding (it is also the output projection, whose
+per-token product would dequantize the whole table), norms, the DeltaNet conv and gate parameters
+(a few KB each), ``mtp.*`` and ``model.visual.*``. ``plan`` lists the choice per tensor, with the reason.
 
 The written file is what ComfyUI's own save path writes for a ``MixedPrecisionOps`` model holding
 comfy-kitchen ``QuantizedTensor`` weights (``comfy/ops.py`` ``_quantized_weight_state_dict``): per
@@ -49,6 +53,8 @@ _ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch
 _TORCH = {v: k for k, v in _ST.items()}
 _SUFFIXES = (".int8_convrot", ".int8", ".bf16", ".fp16", ".fp32", ".convrot_w4a4", ".nvfp4")
 GROUP = 256  # ConvRot group of the written convrot_w4a4 layers (ComfyUI's default)
+EMBEDDING = "model.language_model.embed_tokens.weight"
+_INT8_ROWS = {"format": "int8_tensorwise"}  # the embedding's comfy_quant: int8, one float32 scale per row
 
 
 class ConversionCancelled(Exception):
@@ -57,9 +63,9 @@ class ConversionCancelled(Exception):
 
 @dataclass
 class Step:
-    """One source weight: ``action`` "quantize" (to the target format), "keep" (as stored, with its
-    scale and comfy_quant entries), with ``why`` (kept: the reason) and the source's layer
-    config (``conf``: its comfy_quant, None for a plain tensor)."""
+    """One source weight: ``action`` "quantize" (to the target format), "int8" (the embedding table, to
+    per-row int8), "keep" (as stored, with its scale and comfy_quant entries), with ``why`` (kept: the
+    reason) and the source's layer config (``conf``: its comfy_quant, None for a plain tensor)."""
 
     key: str
     action: str
@@ -108,7 +114,13 @@ def plan(source: str | os.PathLike, fmt: str) -> list[Step]:
             layer = key[: -len(".weight")] if key.endswith(".weight") else key
             conf = confs.get(layer)
             shape = f.get_slice(key).get_shape()
-            if not _LAYER.match(key) or len(shape) != 2:
+            if key == EMBEDDING and conf is None and len(shape) == 2:
+                if "lm_head.weight" in keys:
+                    steps.append(Step(key, "int8", "", None))
+                else:
+                    steps.append(Step(key, "keep", "the embedding is also the output projection (tied): an "
+                                                   "int8 table would be dequantized whole for every token's logits", conf))
+            elif not _LAYER.match(key) or len(shape) != 2:
                 steps.append(Step(key, "keep", "not a decoder-layer projection (embedding, lm_head, norms, conv, "
                                                "gates, MTP head, vision tower stay as the source has them)", conf))
             elif conf is not None and conf.get("format") not in ("int8_tensorwise",):
@@ -140,7 +152,10 @@ def _quantized(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], dict
     """(``{suffix: tensor}`` as ComfyUI's state_dict writes the layer, its comfy_quant) from kitchen."""
     from comfy_kitchen.tensor import QuantizedTensor
 
-    if fmt == "convrot_w4a4":
+    if fmt == "int8":  # the embedding: kitchen's row-wise int8 (ComfyUI's int8_tensorwise, a scale per row)
+        qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", per_channel=True)
+        conf = dict(_INT8_ROWS)
+    elif fmt == "convrot_w4a4":
         qt = QuantizedTensor.from_float(w, "TensorCoreConvRotW4A4Layout", convrot_groupsize=GROUP)
         conf = {"format": fmt, "convrot_groupsize": GROUP}
     else:
@@ -157,7 +172,10 @@ def nvfp4_input(w: torch.Tensor) -> torch.Tensor:
 
 
 def _planned(fmt: str, n: int, k: int) -> dict[str, tuple[str, list[int]]]:
-    """The safetensors dtype and shape of each tensor a quantized ``[n, k]`` layer writes."""
+    """The safetensors dtype and shape of each tensor a quantized ``[n, k]`` layer writes (``fmt`` "int8":
+    the embedding's per-row int8)."""
+    if fmt == "int8":
+        return {"": ("I8", [n, k]), "_scale": ("F32", [n, 1])}
     if fmt == "convrot_w4a4":
         return {"": ("I8", [n, k // 2]), "_scale": ("F32", [n])}
     n16, k16 = round_up(n, 16), round_up(k, 16)
@@ -192,12 +210,13 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, *,
         meta = {k: v for k, v in (f.metadata() or {}).items() if k != "_quantization_metadata"}
         for s in steps:  # the header first: every output's dtype and shape
             layer = s.key[: -len(".weight")]
-            if s.action == "quantize":
+            if s.action in ("quantize", "int8"):
                 n, k = f.get_slice(s.key).get_shape()
-                for suffix, spec in _planned(fmt, n, k).items():
+                for suffix, spec in _planned(_target(s, fmt), n, k).items():
                     header[s.key + suffix] = spec
                     order.append((s.key + suffix, s))
-                conf = {"format": fmt, "convrot_groupsize": GROUP} if fmt == "convrot_w4a4" else {"format": fmt}
+                conf = dict(_INT8_ROWS) if s.action == "int8" else \
+                    {"format": fmt, "convrot_groupsize": GROUP} if fmt == "convrot_w4a4" else {"format": fmt}
             else:
                 conf = s.conf
                 for name in [s.key] + [layer + x for x in (".weight_scale", ".weight_scale_2", ".input_scale")
@@ -228,10 +247,10 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, *,
                         if s.key not in cache:
                             cache.clear()
                             w = _source_float(f, s.key, s.conf).to(dev)
-                            tensors, _ = _quantized(w, fmt)
+                            tensors, _ = _quantized(w, _target(s, fmt))
                             cache[s.key] = {k: v.cpu() for k, v in tensors.items()}
                             if errors is not None:
-                                errors[s.key] = _error(cache[s.key], fmt, w)
+                                errors[s.key] = _error(cache[s.key], _target(s, fmt), w)
                         t = cache[s.key][name[len(s.key):]]
                     _append(out, name, t, header[name])
                     if s is not None and finish[s.key] == name:
@@ -244,8 +263,14 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, *,
         except BaseException:
             part.unlink(missing_ok=True)
             raise
-    log.info("Qwen3.5: wrote %s (%s; %d layers quantized)", dst, fmt, sum(s.action == "quantize" for s in steps))
+    log.info("Qwen3.5: wrote %s (%s; %d layers quantized%s)", dst, fmt, sum(s.action == "quantize" for s in steps),
+             ", the embedding in int8" if any(s.action == "int8" for s in steps) else "")
     return dst
+
+
+def _target(step: Step, fmt: str) -> str:
+    """What a converted step is written as: ``fmt``, or "int8" for the embedding table."""
+    return "int8" if step.action == "int8" else fmt
 
 
 def summary(out: Path, steps: list[Step], errors: dict[str, float]) -> str:
@@ -256,18 +281,27 @@ def summary(out: Path, steps: list[Step], errors: dict[str, float]) -> str:
     for s in steps:
         if s.action == "keep":
             kept[s.why] = kept.get(s.why, 0) + 1
-    errs = sorted(errors.values())
+    errs = sorted(errors[s.key] for s in done if s.key in errors)
     line = f"wrote {out.name}: {len(done)} projections in 4 bits"
     if errs:
         line += f" (relative weight error median {errs[len(errs) // 2]:.3f}, max {errs[-1]:.3f})"
+    for s in steps:
+        if s.action == "int8":
+            err = f", relative weight error {errors[s.key]:.3f}" if s.key in errors else ""
+            line += f"; the embedding table in int8, a scale per row (half its memory{err})"
     return line + "; kept as in the source: " + "; ".join(f"{n} ({why})" for why, n in kept.items())
 
 
 def _error(tensors: dict, fmt: str, w: torch.Tensor) -> float:
-    """|W4 - W| / |W| with W4 as ComfyUI dequantizes the written tensors."""
+    """|Wq - W| / |W| with Wq as ComfyUI dequantizes the written tensors (``fmt`` "int8": the
+    embedding's rows times their scales)."""
     from ..kernels.packed4 import Packed4, dequantize
 
     n, k = w.shape
+    if fmt == "int8":
+        wq = tensors[""].float() * tensors["_scale"].float()
+        w = w.float().cpu()
+        return float((wq - w).norm() / w.norm().clamp_min(1e-30))
     p = Packed4(fmt, tensors[""], tensors["_scale"] if fmt == "convrot_w4a4" else tensors["_scale_2"],
                 tensors.get("_scale") if fmt == "nvfp4" else None, n, k, GROUP if fmt == "convrot_w4a4" else 0)
     w = w.float().cpu()

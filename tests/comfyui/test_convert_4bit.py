@@ -61,8 +61,9 @@ def test_converted_file_is_comfys_format_and_round_trips(tmp_path, kind, fmt, de
     assert seen[-1] == (len(steps), len(steps)) and len(seen) == len(steps)
     done = [s.key for s in steps if s.action == "quantize"]
     kept = {s.key: s.why for s in steps if s.action == "keep"}
-    assert "lm_head.weight" in kept and "model.language_model.embed_tokens.weight" in kept
-    assert set(errors) == set(done) and all(0 < e < 0.2 for e in errors.values()), errors
+    assert "lm_head.weight" in kept and [s.key for s in steps if s.action == "int8"] == [convert_4bit.EMBEDDING]
+    assert set(errors) == set(done) | {convert_4bit.EMBEDDING} and all(0 < e < 0.2 for e in errors.values()), errors
+    assert errors[convert_4bit.EMBEDDING] < 0.01  # int8, a scale per row
     with safe_open(str(out), framework="pt") as f, safe_open(str(src), framework="pt") as s:
         layers = json.loads(f.metadata()["_quantization_metadata"])
         assert layers["format_version"] == "1.0"
@@ -78,11 +79,35 @@ def test_converted_file_is_comfys_format_and_round_trips(tmp_path, kind, fmt, de
             assert torch.allclose(comfy_weight(f, layer, conf, shape), own, rtol=1e-6, atol=1e-7), key
         for key in kept:  # as the source holds them, int8 layers with their scales and comfy_quant
             assert torch.equal(f.get_tensor(key), s.get_tensor(key))
+        table = "model.language_model.embed_tokens"  # ComfyUI's int8_tensorwise, one scale per row
+        assert layers["layers"][table] == json.loads(bytes(f.get_tensor(table + ".comfy_quant").tolist())) == \
+            {"format": "int8_tensorwise"}
+        q, scale, ref = f.get_tensor(table + ".weight"), f.get_tensor(table + ".weight_scale"), s.get_tensor(
+            table + ".weight").float()
+        assert q.dtype == torch.int8 and scale.shape == (q.shape[0], 1) and q.shape == ref.shape
+        own = ck.QuantizedTensor(q, "TensorWiseINT8Layout", ck.TensorWiseINT8Layout.Params(
+            scale=scale, orig_dtype=torch.float32, orig_shape=tuple(q.shape))).dequantize()
+        assert torch.equal(own, q.float() * scale) and ((own - ref).norm() / ref.norm()).item() < 0.01
         if kind == "int8_convrot":
             assert layers["layers"]["lm_head"]["format"] == "int8_tensorwise"
             assert torch.equal(f.get_tensor("lm_head.weight_scale"), s.get_tensor("lm_head.weight_scale"))
     if fmt == "convrot_w4a4":  # o_proj (128 wide here) cannot take ConvRot 256: kept, and said
         assert any("ConvRot group 256" in why for why in kept.values())
+
+
+def test_a_tied_embedding_stays_as_the_source_has_it(tmp_path):
+    """Without its own ``lm_head`` (the smaller sizes) the embedding is also the output projection: kept, said."""
+    from safetensors.torch import load_file, save_file
+
+    src = source_file(tmp_path, "bf16")
+    sd = load_file(str(src))
+    del sd["lm_head.weight"]
+    tied = tmp_path / "tied.bf16.safetensors"
+    save_file(sd, str(tied))
+    steps = {s.key: s for s in convert_4bit.plan(tied, "convrot_w4a4")}
+    table = steps[convert_4bit.EMBEDDING]
+    assert table.action == "keep" and "tied" in table.why
+    assert not any(s.action == "int8" for s in steps.values())
 
 
 def test_never_overwrites_and_cancel_leaves_nothing(tmp_path):

@@ -221,11 +221,13 @@ def test_fast_path_reads_4bit_files_in_place(comfy, rng, monkeypatch):
 
 @pytest.mark.one_tree
 @pytest.mark.parametrize("fmt", ["convrot_w4a4", "nvfp4"])
-def test_converted_file_loads_through_comfyui(comfy, tmp_path, fmt):
+def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt):
     """The converter's file read by ComfyUI's own file path (``comfy.utils.load_torch_file`` +
     ``convert_old_quants``, as ``load_clip``) into ``MixedPrecisionOps`` modules: every converted layer
     is ComfyUI's 4-bit ``QuantizedTensor``, its ``dequantize()`` equals the converter's own
-    dequantization, and the fused plan reads each in place."""
+    dequantization, and the fused plan reads each in place. The embedding table is ComfyUI's int8
+    (its lookup within int8 rounding of the source's rows), and greedy tokens of the fused path
+    equal the module path's with it (fp32, ComfyUI dequantizing as in the mixed-format test)."""
     import importlib
 
     from qwen35_fast.engine.fused import FusedPlan
@@ -252,7 +254,27 @@ def test_converted_file_loads_through_comfyui(comfy, tmp_path, fmt):
         p = Packed4(fmt, w._qdata, w._params.scale, getattr(w._params, "block_scale", None), *m._orig_shape,
                     256 if fmt == "convrot_w4a4" else 0)
         assert torch.allclose(w.dequantize(), dequantize(p), rtol=1e-6, atol=1e-7), name
+    from safetensors import safe_open
+
+    table = model.model.embed_tokens
+    assert table.quant_format == "int8_tensorwise" and table.weight._qdata.dtype == torch.int8
+    table.comfy_force_cast_weights = table.comfy_cast_weights = True
+    ids = torch.arange(0, d["vocab_size"], 3)
+    with safe_open(str(src), framework="pt") as f:
+        rows = f.get_tensor(convert_4bit.EMBEDDING).float()[ids]
+    got = table(ids).float()
+    assert got.shape == rows.shape and ((got - rows).norm() / rows.norm()).item() < 0.01
     plan, why = FusedPlan.build(bind(model, **BIND), "cpu", torch.float32)
     if plan is None and "Triton" in why:
         pytest.skip(why)
     assert plan is not None and plan.formats.get(fmt) == len(quantized), why or plan.describe()
+    assert plan.embedding is None  # an int8 table is looked up by ComfyUI's module, never read as floats
+    for _, m in quantized:
+        m._full_precision_mm = True  # the module path: ComfyUI dequantizes (as the mixed-format test)
+        if fmt == "convrot_w4a4":
+            monkeypatch.setattr(m, "forward", lambda x, m=m: F.linear(x, m.weight.dequantize().to(x.dtype), m.bias))
+    emb = torch.randn(7, d["hidden_size"], generator=torch.Generator().manual_seed(5))
+    kw = dict(do_sample=False, max_length=6, mtp="off", stop_tokens=[], execution_dtype=torch.float32,
+              attention="torch", cuda_graphs=False)
+    fused = generate(model, emb, **BIND, fused=True, **kw)
+    assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens
