@@ -118,8 +118,8 @@ def plan(source: str | os.PathLike, fmt: str) -> list[Step]:
                 if "lm_head.weight" in keys:
                     steps.append(Step(key, "int8", "", None))
                 else:
-                    steps.append(Step(key, "keep", "the embedding is also the output projection (tied): an "
-                                                   "int8 table would be dequantized whole for every token's logits", conf))
+                    steps.append(Step(key, "keep", "the embedding is also the output projection (tied): an int8 "
+                                                   "table would be dequantized whole for every token's logits", conf))
             elif not _LAYER.match(key) or len(shape) != 2:
                 steps.append(Step(key, "keep", "not a decoder-layer projection (embedding, lm_head, norms, conv, "
                                                "gates, MTP head, vision tower stay as the source has them)", conf))
