@@ -90,7 +90,7 @@ def candidates4(k: int, weights: int, shared: int, quick: bool, kind: str = "nvf
         for bn in (8, 16, 32) if quick else (4, 8, 16, 32):
             for bk in (256, 512, 1024):
                 for warps in (1,) if quick else (1, 2):
-                    for vec in (0, 1):
+                    for vec in (1,) if quick else (0, 1):
                         if bk <= max(256, k):
                             out.append((bn, bk, warps, 1, vec))
         return out
@@ -156,7 +156,8 @@ def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) 
 
             def run(ws, cfg, p):
                 return gemv_group(x, ws, scales=scales, config=cfg, split=p)
-        splits = ((1, 2, 4, 8, 16) if kind == "w4a4" else (1, 2, 4, 8)) if split else (1,)
+        splits = ((4, 8, 16) if quick else (1, 2, 4, 8, 16)) if kind == "w4a4" and split else \
+            (1, 2, 4, 8) if split else (1,)
         timed = []
         for cfg in [picked] + [c for c in grid if c != picked]:
             for p in splits:

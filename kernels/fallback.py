@@ -15,11 +15,13 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   rows): wider K tiles spill the unpacked weights from registers (w4a4 12352x4096: 72 us at 1024
   columns, 47 at 256; nvfp4: 999 us against 109), and stages barely matter (by all signs the
   unpacking arithmetic bounds the tile, not memory latency).
-* 4-bit word tile (``gemv4w_config``, convrot_w4a4 on the FMA units): one warp, 512 weight columns
-  (64 words) per K tile, 16 outputs for 1-2 rows, 8 for 3-4, 4 for 5-8 (the
-  accumulators grow with the rows: at 8 rows and 8 outputs ptxas spills), one stage (Triton pipelines
-  no load that feeds no dot). Split-K (``gemv4w_split``): enough one-warp programs to keep the memory
-  system busy, 16 per SM, a power of two up to 16 and at most one range per K tile.
+* 4-bit word tile (``gemv4w_config``, convrot_w4a4 on the FMA units): one warp, one stage (Triton
+  pipelines no load that feeds no dot), vector loads of the words; 1-2 rows: 32 outputs x 256 columns
+  up to 8192 outputs, 8 x 512 below 16384, 16 x 512 above (the fastest of ``benchmarks/tune.py``'s
+  grid at every 9B launch on an H100); 3-4 rows 8 x 256, 5-8 rows 4 x 256 (the accumulators grow
+  with the rows: wider tiles spill from registers under Triton 3.9). Split-K (``gemv4w_split``):
+  enough one-warp programs to keep the memory system busy, 16 per SM, a power of two up to 16 and
+  at most one range per K tile (16 at the 9B's 4096-wide split products, as measured).
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
   SM for 8-bit weights, 2 for 16-bit) cuts K into the largest power of two of ranges that reaches
   it, at most 8 and at most one range per K tile.
@@ -121,13 +123,16 @@ def _gemv_shape_pick(n: int, k: int, quant: bool, rows: int, shared: int | None)
     return 32, 256, 4, 4
 
 
-def gemv4w_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K in weight columns, warps, stages) of the 4-bit word tile (``gemv4w.py``) for
+def gemv4w_config(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K in weight columns, warps, stages, 1: vector loads) of the 4-bit word tile (``gemv4w.py``) for
     ``n`` outputs over width ``k`` and ``rows`` rows: the rule in the module docstring (no shared
     memory: any GPU fits it)."""
-    block_n = 16 if rows <= 2 else 8 if rows <= 4 else 4
-    block_k = min(512, max(32, 1 << max(0, k - 1).bit_length()))
-    return block_n, block_k, 1, 1
+    if rows <= 2:
+        block_n, block_k = (32, 256) if n <= 8192 else (8, 512) if n < 16384 else (16, 512)
+    else:
+        block_n, block_k = (8 if rows <= 4 else 4), 256
+    block_k = min(block_k, max(32, 1 << max(0, k - 1).bit_length()))
+    return block_n, block_k, 1, 1, 1
 
 
 def gemv4w_split(n: int, k: int, record: DeviceRecord | None, block_n: int, block_k: int) -> int:

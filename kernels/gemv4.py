@@ -269,6 +269,7 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     ys, nn, ee = outs + [outs[0]] * pad, ns + [0] * pad, (ends + [total] * pad)[:3]
     common = dict(num_warps=warps, num_stages=stages, **launch_args(x.device))
     if words:
+        ptx = compiled(x.device) and torch.version.hip is None
         ws = [p.qdata.view(torch.int32) for p in weights]
         ws, ss = ws + [ws[0]] * pad, [p.scale.reshape(-1) for p in weights] + [weights[0].scale.reshape(-1)] * pad
         even = k % k_per == 0 and all(n % block_n == 0 for n in ns)
@@ -276,8 +277,8 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
             x2, *ws, *ss, *ys, k // 8, k_per // 8, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
             *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf, 1,
             COUNT=len(weights), ROWS=m, BLOCK_N=block_n, BLOCK_W=block_k // 8, EVEN=even,
-            PTX=compiled(x.device) and torch.version.hip is None, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0,
-            VEC=len(cfg) > 4 and cfg[4] == 1, EXACT=x.dtype == torch.float32, **common)
+            PTX=ptx, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, VEC=len(cfg) > 4 and cfg[4] == 1,
+            EXACT=x.dtype == torch.float32, XK=X_KIND[x.dtype] if ptx and _x_aligned(x2) else -1, **common)
         return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
     nv = first.fmt == "nvfp4"
     ss = [p.block_scale.view(torch.uint8).reshape(-1) if nv else p.scale.reshape(-1) for p in weights]
@@ -291,6 +292,11 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
         COUNT=len(weights), FMT=FMT[first.fmt], HALF16=X_KIND[x.dtype], BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, **common)
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
+
+
+def _x_aligned(x2: torch.Tensor) -> bool:
+    """True where every 8 columns of x's rows ``[M, K]`` start on 16 bytes (``gemv4w._x8_ptx``)."""
+    return x2.data_ptr() % 16 == 0 and (x2.stride(0) * x2.element_size()) % 16 == 0 and x2.stride(-1) == 1
 
 
 def _word_aligned(q: torch.Tensor) -> bool:

@@ -96,15 +96,67 @@ def _columns(xv):
 
 
 @triton.jit
-def _row(acc, xs, f0, f1, f2, f3, f4, f5, f6, f7, Xr, offs_w, w_hi, EVEN: tl.constexpr, EXACT: tl.constexpr):
+def _x8_ptx(p, ok, XK: tl.constexpr):
+    # The 8 consecutive x values at each 16-byte aligned address of ``p`` (0 where not ``ok``) as
+    # float32, one vector load per lane and word: no tile of x goes through a layout change. XK: x's
+    # kind (X_KIND: 0 float32, 1 fp16, 2 bf16).
+    if XK == 0:  # two 16-byte loads straight into the outputs
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred q;
+            setp.ne.b32 q, $9, 0;
+            mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+            mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+            @q ld.global.v4.b32 {$0, $1, $2, $3}, [$8];
+            @q ld.global.v4.b32 {$4, $5, $6, $7}, [$8 + 16];
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[p, ok.to(tl.int32)], dtype=(tl.float32,) * 8,
+            is_pure=False, pack=1)
+    elif XK == 1:  # fp16 halves converted
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred q;
+            .reg .b32 r<4>;
+            .reg .b16 h<8>;
+            setp.ne.b32 q, $9, 0;
+            mov.b32 r0, 0; mov.b32 r1, 0; mov.b32 r2, 0; mov.b32 r3, 0;
+            @q ld.global.v4.b32 {r0, r1, r2, r3}, [$8];
+            mov.b32 {h0, h1}, r0; mov.b32 {h2, h3}, r1; mov.b32 {h4, h5}, r2; mov.b32 {h6, h7}, r3;
+            cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3;
+            cvt.f32.f16 $4, h4; cvt.f32.f16 $5, h5; cvt.f32.f16 $6, h6; cvt.f32.f16 $7, h7;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[p, ok.to(tl.int32)], dtype=(tl.float32,) * 8,
+            is_pure=False, pack=1)
+    else:  # bf16: a half's bits are the top of its float32
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred q;
+            .reg .b32 r<4>;
+            setp.ne.b32 q, $9, 0;
+            mov.b32 r0, 0; mov.b32 r1, 0; mov.b32 r2, 0; mov.b32 r3, 0;
+            @q ld.global.v4.b32 {r0, r1, r2, r3}, [$8];
+            shl.b32 $0, r0, 16; and.b32 $1, r0, 0xFFFF0000; shl.b32 $2, r1, 16; and.b32 $3, r1, 0xFFFF0000;
+            shl.b32 $4, r2, 16; and.b32 $5, r2, 0xFFFF0000; shl.b32 $6, r3, 16; and.b32 $7, r3, 0xFFFF0000;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,l,r", args=[p, ok.to(tl.int32)], dtype=(tl.float32,) * 8,
+            is_pure=False, pack=1)
+
+
+@triton.jit
+def _row(acc, xs, f0, f1, f2, f3, f4, f5, f6, f7, Xr, offs_w, w_hi, EVEN: tl.constexpr, EXACT: tl.constexpr,
+         XK: tl.constexpr):
     # one row of x against the tile's words: acc [BLOCK_N, BLOCK_W] += f * x; xs += x unless EXACT
-    # (f is q itself there, not 136 + q)
-    cols = (offs_w * 8)[:, None] + tl.arange(0, 8)[None, :]
-    if EVEN:
-        xv = tl.load(Xr + cols)
+    # (f is q itself there, not 136 + q). XK >= 0: x's 8 columns of each word by ``_x8_ptx`` (x's
+    # kind, X_KIND); -1: a [BLOCK_W, 8] tile split into its columns (``_columns``).
+    if XK >= 0:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x8_ptx(Xr + offs_w * 8, offs_w < w_hi, XK)
     else:
-        xv = tl.load(Xr + cols, mask=(offs_w < w_hi)[:, None], other=0.0)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _columns(xv.to(tl.float32))
+        cols = (offs_w * 8)[:, None] + tl.arange(0, 8)[None, :]
+        if EVEN:
+            xv = tl.load(Xr + cols)
+        else:
+            xv = tl.load(Xr + cols, mask=(offs_w < w_hi)[:, None], other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(xv.to(tl.float32))
     if not EXACT:
         xs += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
     acc += f0 * x0[None, :]
@@ -133,7 +185,7 @@ def _store(acc, xs, scale, Yr, offs_n, n_ok, NRMr, n_nrm, n_mean, eps, ROW_NORM:
 def _tile4w(X, W, S, Y, N, KW, W_PER, sx_m, sw_n, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps, one,
             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
             PTX: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr, VEC: tl.constexpr,
-            EXACT: tl.constexpr):
+            EXACT: tl.constexpr, XK: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N outputs over the words [pid_k * W_PER, + W_PER). VEC 0:
     # the words' offsets times ``one`` (1 at run time, unknown to the compiler) keep every lane on
     # whole words of its own (no vector loads, no layout change for x); VEC 1: vector loads.
@@ -164,21 +216,21 @@ def _tile4w(X, W, S, Y, N, KW, W_PER, sx_m, sw_n, sy_m, sy_k, pid, NRM, n_nrm, s
         if EXACT:  # float32 x: q itself, so no sum of x leaves the accumulator (exact products)
             f0, f1, f2, f3 = f0 - OFFSET, f1 - OFFSET, f2 - OFFSET, f3 - OFFSET
             f4, f5, f6, f7 = f4 - OFFSET, f5 - OFFSET, f6 - OFFSET, f7 - OFFSET
-        a0, s0 = _row(a0, s0, f0, f1, f2, f3, f4, f5, f6, f7, X, offs_w, w_hi, EVEN, EXACT)
+        a0, s0 = _row(a0, s0, f0, f1, f2, f3, f4, f5, f6, f7, X, offs_w, w_hi, EVEN, EXACT, XK)
         if ROWS > 1:
-            a1, s1 = _row(a1, s1, f0, f1, f2, f3, f4, f5, f6, f7, X + sx_m, offs_w, w_hi, EVEN, EXACT)
+            a1, s1 = _row(a1, s1, f0, f1, f2, f3, f4, f5, f6, f7, X + sx_m, offs_w, w_hi, EVEN, EXACT, XK)
         if ROWS > 2:
-            a2, s2 = _row(a2, s2, f0, f1, f2, f3, f4, f5, f6, f7, X + 2 * sx_m, offs_w, w_hi, EVEN, EXACT)
+            a2, s2 = _row(a2, s2, f0, f1, f2, f3, f4, f5, f6, f7, X + 2 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
         if ROWS > 3:
-            a3, s3 = _row(a3, s3, f0, f1, f2, f3, f4, f5, f6, f7, X + 3 * sx_m, offs_w, w_hi, EVEN, EXACT)
+            a3, s3 = _row(a3, s3, f0, f1, f2, f3, f4, f5, f6, f7, X + 3 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
         if ROWS > 4:
-            a4, s4 = _row(a4, s4, f0, f1, f2, f3, f4, f5, f6, f7, X + 4 * sx_m, offs_w, w_hi, EVEN, EXACT)
+            a4, s4 = _row(a4, s4, f0, f1, f2, f3, f4, f5, f6, f7, X + 4 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
         if ROWS > 5:
-            a5, s5 = _row(a5, s5, f0, f1, f2, f3, f4, f5, f6, f7, X + 5 * sx_m, offs_w, w_hi, EVEN, EXACT)
+            a5, s5 = _row(a5, s5, f0, f1, f2, f3, f4, f5, f6, f7, X + 5 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
         if ROWS > 6:
-            a6, s6 = _row(a6, s6, f0, f1, f2, f3, f4, f5, f6, f7, X + 6 * sx_m, offs_w, w_hi, EVEN, EXACT)
+            a6, s6 = _row(a6, s6, f0, f1, f2, f3, f4, f5, f6, f7, X + 6 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
         if ROWS > 7:
-            a7, s7 = _row(a7, s7, f0, f1, f2, f3, f4, f5, f6, f7, X + 7 * sx_m, offs_w, w_hi, EVEN, EXACT)
+            a7, s7 = _row(a7, s7, f0, f1, f2, f3, f4, f5, f6, f7, X + 7 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
     scale = tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     Yk = Y + pid_k * sy_k
     _store(a0, s0, scale, Yk, offs_n, n_ok, NRM, n_nrm, n_mean, eps, ROW_NORM)
@@ -204,22 +256,22 @@ def gemv4w_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, KW, W_PER, 
                   NRM, n_nrm, s_nrm, n_mean, eps, PF, n_pf, one,
                   COUNT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                   EVEN: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr,
-                  PREFETCH: tl.constexpr, VEC: tl.constexpr, EXACT: tl.constexpr):
+                  PREFETCH: tl.constexpr, VEC: tl.constexpr, EXACT: tl.constexpr, XK: tl.constexpr):
     """Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (as ``gemv._gemv_kernel``); W* are the
     packed weights viewed as int32 ``[N, K/8]`` (row stride sw* in words), S* their float32 row scales,
     X ``[ROWS, K]`` (row stride sx_m), Y* ``[ROWS, N]`` or float32 partials ``[P, ROWS, N]`` (sk*)."""
     pid = tl.program_id(0)
     if pid < E0:
         _tile4w(X, W0, S0, Y0, N0, KW, W_PER, sx_m, sw0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
     elif COUNT > 1 and pid < E1:
         _tile4w(X, W1, S1, Y1, N1, KW, W_PER, sx_m, sw1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
     elif COUNT > 2 and pid < E2:
         _tile4w(X, W2, S2, Y2, N2, KW, W_PER, sx_m, sw2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
     elif COUNT > 3:
         _tile4w(X, W3, S3, Y3, N3, KW, W_PER, sx_m, sw3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT)
+                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
     if PREFETCH:
         prefetch_share(PF, n_pf, 128)

@@ -172,6 +172,20 @@ def test_gpu_bf16_matches_comfy_dequantization(fmt, rows):
     assert rel(gemv4(x, p).cpu(), x.double().cpu() @ w.T) < tol(torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_word_tile_x_loads(dtype, rows):
+    """The word tile compiled, fp16 / fp32 x: rows starting on 16 bytes (one PTX vector load per word)
+    and rows 3 elements off (a tile split into columns), both ComfyUI's dequantization's product."""
+    gen = torch.Generator().manual_seed(11)
+    p, w = stored(gen, "convrot_w4a4", 1000, 4096)
+    p = Packed4(p.fmt, p.qdata.cuda(), p.scale.cuda(), None, p.n, p.k, p.convrot)
+    wide = torch.randn(rows, 4096 + 8, generator=gen).to(dtype).cuda()
+    for x in (wide[:, :4096], wide[:, 3:3 + 4096]):
+        assert rel(gemv4(x, p).cpu(), x.double().cpu() @ w.T) < tol(dtype)
+
+
 def test_bad_operands_say_why(rng):
     p, _ = stored(rng, "nvfp4", 16, 64)
     assert "width 64" in gemv4_reason(torch.randn(2, 48), p)

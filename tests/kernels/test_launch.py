@@ -118,7 +118,7 @@ def test_the_fallback_fits_every_gpu_and_every_size(gpu):
                         bn, bk, warps, stages = config[:4]
                         assert all(v & (v - 1) == 0 for v in (bn, bk, warps)), config
                         if launch.gemv4_words(fmt, k, rows):  # the word tile: no shared memory, one warp
-                            assert (warps, stages) == (1, 1) and 32 <= bk <= 512 and bn <= 16, config
+                            assert (warps, stages) == (1, 1) and 32 <= bk <= 512 and bn <= 32, config
                             assert parts & (parts - 1) == 0 and 1 <= parts <= 16
                             if split and parts > 1:
                                 assert -(-n // bn) * parts <= 32 * gpu.sms  # 16 one-warp programs an SM
