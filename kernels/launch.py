@@ -65,15 +65,16 @@ def _between(lo: int, hi: int):
 
 def _gemv_config(v) -> bool:
     pow2 = _pow2(16, 1024)[0]
-    return (isinstance(v, list) and len(v) in (4, 5) and all(isinstance(x, int) for x in v) and pow2(v[0])
-            and pow2(v[1]) and _pow2(1, 16)[0](v[2]) and 1 <= v[3] <= 8
-            and (len(v) == 4 or _pow2(1, max(1, v[1] // 16))[0](v[4])))
+    return (isinstance(v, list) and len(v) in (4, 5) and all(isinstance(x, int) for x in v)
+            and _pow2(1, 1024)[0](v[0]) and pow2(v[1]) and _pow2(1, 16)[0](v[2]) and 1 <= v[3] <= 8
+            and (len(v) == 4 or v[4] == 0 or _pow2(1, max(1, v[1] // 16))[0](v[4])))
 
 
 #: kernel -> field -> (check, what it must be)
 FIELDS = {
-    "gemv": {"config": (_gemv_config, "[BLOCK_N, BLOCK_K (powers of two 16..1024), warps (a power of two 1..16), "
-                                      "stages 1..8(, K slices: a power of two up to BLOCK_K / 16)]"),
+    "gemv": {"config": (_gemv_config, "[BLOCK_N (a power of two 1..1024), BLOCK_K (a power of two 16..1024), warps "
+                                      "(a power of two 1..16), stages 1..8(, K slices: a power of two up to BLOCK_K "
+                                      "/ 16; w4a4: 0 or 1, vector loads)]"),
              "split": _between(1, 64)},
     "deltanet": {"blocks": _pow2(1, 16), "warps": _pow2(1, 16)},
     "attention": {"splits": _between(1, 128), "BLOCK_N": _pow2(16, 256), "num_stages": _between(1, 8),
