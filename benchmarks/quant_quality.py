@@ -67,8 +67,10 @@ def quantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "int8":
         qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True,
                                         convrot_groupsize=256)
-    elif fmt == "w4a4":
-        qt = QuantizedTensor.from_float(w, "TensorCoreConvRotW4A4Layout", convrot_groupsize=256)
+    elif fmt == "w4a4":  # the converter's clipped rows, kitchen's quantizer
+        from qwen35_fast.patches.convert_4bit import w4a4_input
+
+        qt = QuantizedTensor.from_float(w4a4_input(w), "TensorCoreConvRotW4A4Layout", convrot_groupsize=256)
     else:
         from qwen35_fast.patches.convert_4bit import nvfp4_input
 

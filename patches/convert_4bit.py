@@ -20,7 +20,9 @@ quantized layer ``<layer>.weight`` + ``<layer>.weight_scale`` (+ ``weight_scale_
 ``{"format": "nvfp4"}``; kept int8 layers keep theirs), plus the header's ``_quantization_metadata``
 (``{"format_version": "1.0", "layers": {...}}``, ComfyUI's QUANTIZATION.md), which
 ``comfy.utils.convert_old_quants`` turns back into the same per-layer entries. The values come from
-comfy-kitchen's own quantizers (``QuantizedTensor.from_float``), on the GPU where there is one.
+comfy-kitchen's own quantizers (``QuantizedTensor.from_float``), on the GPU where there is one; a
+convrot_w4a4 weight is first clipped row by row where that lowers its rounding error
+(``w4a4_input``: 11.4% relative weight error instead of kitchen's 15.7-16.9% on random 9B-shaped rows).
 
 Streamed: the header is computed first (every output shape follows from the source's), then each
 tensor is read (``safe_open``: memory-mapped), converted and appended, so the peak is one layer's
@@ -44,7 +46,8 @@ from ..kernels.packed4 import FORMATS, round_up
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMATS", "ConversionCancelled", "Step", "convert", "output_name", "plan", "summary"]
+__all__ = ["FORMATS", "ConversionCancelled", "Step", "convert", "nvfp4_input", "output_name", "plan", "summary",
+           "w4a4_input"]
 
 _LAYER = re.compile(r"^model\.language_model\.layers\.\d+\.(self_attn|linear_attn|mlp)\.[a-z_]+\.weight$")
 _ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
@@ -156,12 +159,42 @@ def _quantized(w: torch.Tensor, fmt: str) -> tuple[dict[str, torch.Tensor], dict
         qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", per_channel=True)
         conf = dict(_INT8_ROWS)
     elif fmt == "convrot_w4a4":
-        qt = QuantizedTensor.from_float(w, "TensorCoreConvRotW4A4Layout", convrot_groupsize=GROUP)
+        qt = QuantizedTensor.from_float(w4a4_input(w), "TensorCoreConvRotW4A4Layout", convrot_groupsize=GROUP)
         conf = {"format": fmt, "convrot_groupsize": GROUP}
     else:
         qt = QuantizedTensor.from_float(nvfp4_input(w), "TensorCoreNVFP4Layout")
         conf = {"format": fmt}
     return qt.state_dict(""), conf
+
+
+#: the clipping thresholds ``w4a4_input`` tries, as fractions of a rotated row's largest magnitude
+CLIP_RATIOS = tuple(0.5 + 0.05 * i for i in range(11))
+
+
+def w4a4_input(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[n, k]`` as the converter gives it to comfy-kitchen's convrot_w4a4 quantizer: each row,
+    ConvRot-rotated in groups of ``GROUP`` as kitchen rotates it, clipped at the threshold (a
+    ``CLIP_RATIOS`` fraction of its largest magnitude, 1.0 included) whose int4 rounding (kitchen's:
+    scale = largest magnitude / 7, round, clamp to +-7) has the least squared error, then rotated
+    back. Kitchen's absmax of the row is then that threshold: the stored format is unchanged, and a
+    row of Gaussian-like values loses about a quarter of its rounding error (one scale per row spends
+    most of its 15 levels on a few outliers otherwise). float32 out; rows of another width unchanged."""
+    from ..kernels.convrot import hadamard
+
+    n, k = w.shape
+    if k % GROUP:
+        return w
+    h = hadamard(GROUP, dtype=torch.float32, device=w.device)
+    r = (w.float().reshape(n, k // GROUP, GROUP) @ h.T).reshape(n, k)
+    amax = r.abs().amax(1, keepdim=True).clamp_min(1e-10)
+    best, keep = torch.full_like(amax, float("inf")), amax
+    for ratio in CLIP_RATIOS:
+        t = amax * ratio
+        err = ((r / (t / 7)).round().clamp(-7, 7) * (t / 7) - r).square().sum(1, keepdim=True)
+        better = err < best
+        best, keep = torch.where(better, err, best), torch.where(better, t, keep)
+    r = torch.minimum(torch.maximum(r, -keep), keep)
+    return (r.reshape(n, k // GROUP, GROUP) @ h).reshape(n, k)
 
 
 def nvfp4_input(w: torch.Tensor) -> torch.Tensor:
