@@ -5,9 +5,11 @@ Weight-only: x stays bf16 / fp16 / fp32, each 4-bit weight is widened in registe
 weights and their scales once. For bf16 / fp16 x the widening is integer work alone: a code's bits
 are placed under a 16-bit float's exponent (``_nibbles16``, ``_e2m1_16``); convrot_w4a4's signed
 nibble q becomes OFFSET + q, and ``OFFSET * sum(x)`` leaves the float32 accumulator at the end.
-No repacking: the kernel reads comfy-kitchen's ``QuantizedTensor`` storage as ComfyUI loaded it.
-Works wherever Triton runs (no INT4 / FP4 tensor cores needed; the dot is x's dtype on the tensor
-cores, as in ``gemv.py``).
+No repacking: the kernels read comfy-kitchen's ``QuantizedTensor`` storage as ComfyUI loaded it.
+Works wherever Triton runs (no INT4 / FP4 tensor cores needed). Two tiles: convrot_w4a4 with K a
+multiple of 8, 4-byte aligned rows and 1..8 rows of x runs ``gemv4w.py``'s word tile on the FMA
+units (``launch.gemv4_words``); everything else (nvfp4, more rows, other storage) this module's
+tensor-core tile, x's dtype on the tensor cores as in ``gemv.py``.
 
 Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
 
@@ -226,7 +228,8 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     group), x ``[..., K]`` bf16/fp16/fp32 with at most 16 rows in all -> ``[..., N_i]`` in x's dtype
     (float32 accumulation). ``rotate=False``: x is already ConvRot-rotated in the weights' group
     (convrot_w4a4); else it is rotated here (one launch). ``config`` = (BLOCK_N, BLOCK_K, warps,
-    stages) replaces the launch table's (BLOCK_K in weight columns, a multiple of 32). ``split``,
+    stages[, 1: the word tile's vector loads]) replaces the launch table's (BLOCK_K in weight
+    columns, a multiple of 32; the tensor-core tile needs BLOCK_N >= 16). ``split``,
     ``row_norm``, ``prefetch`` / ``prefetch_bytes`` as ``gemv.gemv_group`` (split > 1: float32
     partials ``[P', ..., N_i]``). ValueError names what does not fit."""
     if split < 1:

@@ -9,15 +9,16 @@ kitchen's even-column-low order). Per word, integer work alone makes 8 float32 v
 nibbles of the even and odd columns are masked into bytes and flipped by 8 (``(w & 0x0F0F0F0F) ^
 0x08080808``, the same for ``w >> 4``: q + 8 in 0..15), and each byte becomes the float32 whose bits
 are ``0x43000000 | byte << 16`` (128 + byte: one byte permute on NVIDIA GPUs, ``_nib8_ptx``; shifts
-and masks elsewhere, ``_nib8_ops``, same values). Each row of x is loaded as ``[words, 8]`` (its 8
-columns of a word in one thread) and split into its 8 columns; the float32 products accumulate per
-word, and ``136 * sum(x)`` leaves the sum at the end (every term exact but the float32 products and
-sums). The per-row float32 scale multiplies the result, as does ``row_norm``'s factor.
+and masks elsewhere, ``_nib8``, the same values). A row of x gives each word its 8 columns by one
+16-byte load (``_x8_ptx``, NVIDIA GPUs, rows on 16 bytes), else as a ``[words, 8]`` tile split into
+columns (``_columns``; Triton 3.4-3.6 move that tile through shared memory and spill at 4 rows); the
+float32 products accumulate per word, and ``136 * sum(x)`` leaves the sum at the end (float32 x:
+q itself, no sum). The per-row float32 scale multiplies the result, as does ``row_norm``'s factor.
 
-No tensor cores, no shared memory: one warp per program, each lane owning whole words, so no value
-crosses lanes before the final sum. Launch config ``(BLOCK_N, BLOCK_K columns, warps, stages)`` as
-``gemv4.py``'s (``launch.gemv4``, kind ``w4a4``; ``fallback.gemv4w_config``); split-K, the group of
-up to four weights, ``prefetch`` and programmatic dependent launch as there.
+No tensor cores: one warp per program, each lane owning whole words, so no product crosses lanes
+before the final sum. Launch config ``(BLOCK_N, BLOCK_K columns, warps, stages[, 1: vector loads of
+the words])`` (``launch.gemv4``, kind ``w4a4``; ``fallback.gemv4w_config``); split-K, the group of
+up to four weights, ``prefetch`` and programmatic dependent launch as ``gemv4.py``.
 """
 
 from __future__ import annotations
