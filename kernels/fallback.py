@@ -17,8 +17,9 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   unpacking arithmetic bounds the tile, not memory latency).
 * 4-bit word tile (``gemv4w_config``, convrot_w4a4 on the FMA units): one warp, one stage (Triton
   pipelines no load that feeds no dot), vector loads of the words; 1-2 rows: 32 outputs x 256 columns
-  up to 8192 outputs, 8 x 512 below 16384, 16 x 512 above (the fastest of ``benchmarks/tune.py``'s
-  grid at every 9B launch on an H100); 3-4 rows 8 x 256, 5-8 rows 4 x 256 (the accumulators grow
+  up to 8192 outputs, 8 x 512 below 16384, 16 x 512 above (on an H100 the fastest of
+  ``benchmarks/tune.py``'s grid at five 9B launches, 5% off it at gate/up); 3-4 rows 8 x 256, 5-8
+  rows 4 x 256 (the accumulators grow
   with the rows: wider tiles spill from registers under Triton 3.9). Split-K (``gemv4w_split``):
   enough one-warp programs to keep the memory system busy, 16 per SM, a power of two up to 16 and
   at most one range per K tile (16 at the 9B's 4096-wide split products, as measured).
