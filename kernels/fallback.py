@@ -19,8 +19,8 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   pipelines no load that feeds no dot), vector loads of the words; 1-2 rows: 32 outputs x 256 columns
   up to 8192 outputs, 8 x 512 below 16384, 16 x 512 above (on an H100 the fastest of
   ``benchmarks/tune.py``'s grid at five 9B launches, 5% off it at gate/up); 3-4 rows 8 x 256, 5-8
-  rows 4 x 256 (the accumulators grow
-  with the rows: wider tiles spill from registers under Triton 3.9). Split-K (``gemv4w_split``):
+  rows 4 x 256 (the accumulators grow with the rows: wider tiles spill from registers under Triton
+  3.9). Split-K (``gemv4w_split``):
   enough one-warp programs to keep the memory system busy, 16 per SM, a power of two up to 16 and
   at most one range per K tile (16 at the 9B's 4096-wide split products, as measured).
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
