@@ -277,7 +277,12 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, *,
                     elif s.action == "keep":
                         t = f.get_tensor(name)
                     else:
-                        if s.key not in cache:
+                        if s.key not in cache and s.action == "int8":
+                            cache.clear()
+                            cache[s.key], err = _int8_rows(f, s.key, dev)
+                            if errors is not None:
+                                errors[s.key] = err
+                        elif s.key not in cache:
                             cache.clear()
                             w = _source_float(f, s.key, s.conf).to(dev)
                             tensors, _ = _quantized(w, _target(s, fmt))
@@ -299,6 +304,27 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, *,
     log.info("Qwen3.5: wrote %s (%s; %d layers quantized%s)", dst, fmt, sum(s.action == "quantize" for s in steps),
              ", the embedding in int8" if any(s.action == "int8" for s in steps) else "")
     return dst
+
+
+EMBEDDING_ROWS = 16384  # rows of the embedding table quantized at a time (256 MB of float32 at 4096 wide)
+
+
+def _int8_rows(f, key: str, dev: torch.device) -> tuple[dict[str, torch.Tensor], float]:
+    """({suffix: tensor} of the float table ``key`` in per-row int8, its relative weight error), the
+    rows read, quantized and checked ``EMBEDDING_ROWS`` at a time (each row has its own scale, so
+    the result is the whole table's): the peak is one slice, not the 4 GB float32 table of the 9B."""
+    sl = f.get_slice(key)
+    rows = sl.get_shape()[0]
+    parts, sq_err, sq_ref = {}, 0.0, 0.0
+    for lo in range(0, rows, EMBEDDING_ROWS):
+        w = sl[lo:lo + EMBEDDING_ROWS].float().to(dev)
+        tensors, _ = _quantized(w, "int8")
+        for suffix, t in tensors.items():
+            parts.setdefault(suffix, []).append(t.cpu())
+        wq = tensors[""].float() * tensors["_scale"].float()
+        sq_err += float((wq - w).square().sum())
+        sq_ref += float(w.square().sum())
+    return {k: torch.cat(v) for k, v in parts.items()}, (sq_err / max(sq_ref, 1e-60)) ** 0.5
 
 
 def _target(step: Step, fmt: str) -> str:
@@ -326,15 +352,10 @@ def summary(out: Path, steps: list[Step], errors: dict[str, float]) -> str:
 
 
 def _error(tensors: dict, fmt: str, w: torch.Tensor) -> float:
-    """|Wq - W| / |W| with Wq as ComfyUI dequantizes the written tensors (``fmt`` "int8": the
-    embedding's rows times their scales)."""
+    """|W4 - W| / |W| with W4 as ComfyUI dequantizes the written tensors."""
     from ..kernels.packed4 import Packed4, dequantize
 
     n, k = w.shape
-    if fmt == "int8":
-        wq = tensors[""].float() * tensors["_scale"].float()
-        w = w.float().cpu()
-        return float((wq - w).norm() / w.norm().clamp_min(1e-30))
     p = Packed4(fmt, tensors[""], tensors["_scale"] if fmt == "convrot_w4a4" else tensors["_scale_2"],
                 tensors.get("_scale") if fmt == "nvfp4" else None, n, k, GROUP if fmt == "convrot_w4a4" else 0)
     w = w.float().cpu()
