@@ -25,9 +25,10 @@ class Qwen35Save4bit(io.ComfyNode):
                 io.Combo.Input("clip_name", options=folder_paths.get_filename_list("text_encoders"),
                                tooltip="The Qwen3.5 file in models/text_encoders to convert (it is only read)."),
                 io.Combo.Input("format", options=list(convert_4bit.FORMATS), default=convert_4bit.FORMATS[0],
-                               tooltip="convrot_w4a4: int4 with ConvRot (any NVIDIA GPU with Triton reads it in "
-                                       "place); nvfp4: FP4 with FP8 block scales (the same, and Blackwell's "
-                                       "tensor cores in ComfyUI's own path)."),
+                               tooltip="convrot_w4a4: int4 with ConvRot, the fastest decode here (any NVIDIA GPU "
+                                       "with Triton reads it in place); nvfp4: FP4 with FP8 block scales, less "
+                                       "weight error, slower decode for now (Blackwell's tensor cores in "
+                                       "ComfyUI's own path)."),
             ],
             outputs=[io.String.Output(display_name="status", tooltip="The file written, and what stayed 8/16-bit.")],
             is_output_node=True,
