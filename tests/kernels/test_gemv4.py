@@ -118,7 +118,8 @@ def test_word_tile_and_tensor_core_tile(rng, monkeypatch, dtype):
     tensor-core tile for more rows or storage no word can be read from: both equal the reference."""
     from qwen35_fast.kernels import gemv4 as mod
 
-    spy = monkeypatch.setattr(mod, "gemv4w_kernel", _Spy(mod.gemv4w_kernel)) or mod.gemv4w_kernel
+    spy = _Spy(mod.gemv4w_kernel)
+    monkeypatch.setattr(mod, "gemv4w_kernel", spy)
     p, w = stored(rng, "convrot_w4a4", 48, 512, 256)
     raw = torch.zeros(p.qdata.numel() + 1, dtype=torch.int8)
     shifted = raw[1:].view(p.qdata.shape)  # one byte off a word boundary

@@ -121,7 +121,7 @@ def test_the_fallback_fits_every_gpu_and_every_size(gpu):
                             assert (warps, stages) == (1, 1) and 32 <= bk <= 512 and bn <= 32, config
                             assert parts & (parts - 1) == 0 and 1 <= parts <= 16
                             if split and parts > 1:
-                                assert -(-n // bn) * parts <= 32 * gpu.sms  # 16 one-warp programs an SM
+                                assert -(-n // bn) * parts <= 32 * gpu.sms  # under twice the 16 an SM aimed at
                             continue
                         need = weights * max(1, stages - 1) * (bn * bk // 2 + 16 * bk * 2)
                         assert need <= gpu.shared, (size, n, k, fmt, rows, config, need)
