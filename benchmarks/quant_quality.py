@@ -68,11 +68,11 @@ def quantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
         qt = QuantizedTensor.from_float(w, "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True,
                                         convrot_groupsize=256)
     elif fmt == "w4a4":  # the converter's clipped rows, kitchen's quantizer
-        from qwen35_fast.patches.convert_4bit import w4a4_input
+        from qwen35_fast.patches.quant_values import w4a4_input
 
         qt = QuantizedTensor.from_float(w4a4_input(w), "TensorCoreConvRotW4A4Layout", convrot_groupsize=256)
     else:
-        from qwen35_fast.patches.convert_4bit import nvfp4_input
+        from qwen35_fast.patches.quant_values import nvfp4_input
 
         qt = QuantizedTensor.from_float(nvfp4_input(w), "TensorCoreNVFP4Layout")
     return qt.dequantize().float()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from qwen35_fast.kernels.packed4 import Packed4, dequantize
-from qwen35_fast.patches import convert_4bit
+from qwen35_fast.patches import convert_4bit, quant_values
 
 from tests.oracles.comfy_tree import int8_convrot
 from tests.oracles.tiny import make_tiny, to_layout
@@ -52,7 +52,7 @@ def comfy_weight(f, layer: str, conf: dict, shape) -> torch.Tensor:
 def test_converted_file_is_comfys_format_and_round_trips(tmp_path, monkeypatch, kind, fmt, device):
     from safetensors import safe_open
 
-    monkeypatch.setattr(convert_4bit, "EMBEDDING_ROWS", 7)  # the table in several slices, the last ragged
+    monkeypatch.setattr(quant_values, "EMBEDDING_ROWS", 7)  # the table in several slices, the last ragged
     src = source_file(tmp_path, kind)
     seen, errors = [], {}
     out = convert_4bit.convert(src, tmp_path, fmt, progress=lambda d, t, k: seen.append((d, t)), errors=errors,
