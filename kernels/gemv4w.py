@@ -1,7 +1,8 @@
 """convrot_w4a4 weights in the decode-row products, read as 32-bit words on the FMA units (Triton).
 
 The tile behind ``gemv4.gemv4_group`` for ``convrot_w4a4`` weights whose rows are whole 32-bit words
-(K a multiple of 8, the storage 4-byte aligned) and 1..8 rows of x; ``gemv4.py``'s tensor-core tile
+(K a multiple of 8, the storage 4-byte aligned) and 1..``launch.WORD_ROWS`` (8) rows of x, each row's
+accumulator unrolled (Triton 3.2 has no list of tensors to index); ``gemv4.py``'s tensor-core tile
 takes the rest and ``nvfp4``.
 
 Each 32-bit word holds the signed nibbles of 8 consecutive columns (column 8w + j in bits 4j..4j+3,
@@ -29,8 +30,6 @@ import triton.language as tl
 from .pdl import trigger, wait
 from .ptx import prefetch_share
 
-#: rows of x one launch takes (one accumulator per row, unrolled)
-MAX_ROWS = 8
 OFFSET = tl.constexpr(136.0)  # 128 from the exponent bits, 8 from the flipped sign bit
 
 

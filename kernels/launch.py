@@ -198,11 +198,15 @@ def gemv(n: int, k: int, quant: bool, rows: int, device, *, weights: int = 1,
 GEMV4_KINDS = {"convrot_w4a4": "w4a4", "nvfp4": "nvfp4"}
 
 
+#: rows of x the 4-bit word tile takes (``gemv4w.py``: one unrolled accumulator per row)
+WORD_ROWS = 8
+
+
 def gemv4_words(fmt: str, k: int, rows: int) -> bool:
     """True where a 4-bit product runs ``gemv4w.py``'s word tile (convrot_w4a4, K a multiple of 8, at
-    most ``gemv4w.MAX_ROWS`` (8) rows; the storage's alignment is checked by ``gemv4.gemv4_group``),
-    else ``gemv4.py``'s tensor-core tile."""
-    return fmt == "convrot_w4a4" and k % 8 == 0 and 1 <= rows <= 8
+    most ``WORD_ROWS`` rows; the storage's alignment is checked by ``gemv4.gemv4_group``), else
+    ``gemv4.py``'s tensor-core tile."""
+    return fmt == "convrot_w4a4" and k % 8 == 0 and 1 <= rows <= WORD_ROWS
 
 
 def gemv4(n: int, k: int, fmt: str, rows: int, device, *, weights: int = 1,
