@@ -122,8 +122,9 @@ def _quantized_layer(name: str, t: torch.Tensor) -> bool:
     return name.startswith("layers.") or name == "lm_head.weight"
 
 
-#: ``--formats`` name -> comfy-kitchen layout of the 4-bit files (``patches/convert_4bit.py`` writes the same)
-FOUR_BIT = {"w4a4": "TensorCoreConvRotW4A4Layout", "nvfp4": "TensorCoreNVFP4Layout"}
+#: ``--formats`` name -> the 4-bit format of its files' layers, written as the converter writes them
+#: (``patches/quant_values.quantized``: comfy-kitchen's quantizers, convrot_w4a4 rows clipped first)
+FOUR_BIT = {"w4a4": "convrot_w4a4", "nvfp4": "nvfp4"}
 
 
 @torch.no_grad()
@@ -148,22 +149,14 @@ def write_checkpoint(path: Path, fmt: str, cfg: Qwen35Config, device, decisive: 
             sd[layer + ".weight_scale"] = scale.cpu()
             conf = {"format": "float8_e4m3fn"}
             sd[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
-        elif fmt in FOUR_BIT and _quantized_layer(name, t) and name != "lm_head.weight":
-            from comfy_kitchen.tensor import QuantizedTensor  # ComfyUI's 4-bit layouts, kitchen's quantizers
+        elif fmt in FOUR_BIT and (_quantized_layer(name, t) and name != "lm_head.weight"
+                                  or name.endswith("embed_tokens.weight") and untied):
+            from qwen35_fast.patches.quant_values import quantized  # the converter's own tensors
 
-            kw = {"convrot_groupsize": 256} if fmt == "w4a4" else {}
-            qt = QuantizedTensor.from_float(t, FOUR_BIT[fmt], **kw)
-            sd.update({k: v.cpu() for k, v in qt.state_dict(key).items()})
-            conf = {"format": "convrot_w4a4", **kw} if fmt == "w4a4" else {"format": "nvfp4"}
+            tensors, conf = quantized(t, "int8" if name.endswith("embed_tokens.weight") else FOUR_BIT[fmt])
+            sd.update({key + suffix: v.cpu() for suffix, v in tensors.items()})
             sd[key[:-len(".weight")] + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()),
                                                                       dtype=torch.uint8)
-        elif fmt in FOUR_BIT and name.endswith("embed_tokens.weight") and untied:
-            from comfy_kitchen.tensor import QuantizedTensor  # as patches/convert_4bit.py writes the table
-
-            qt = QuantizedTensor.from_float(t, "TensorWiseINT8Layout", per_channel=True)
-            sd.update({k: v.cpu() for k, v in qt.state_dict(key).items()})
-            sd[key[:-len(".weight")] + ".comfy_quant"] = torch.tensor(
-                list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
         elif fmt in ("int8", *FOUR_BIT) and _quantized_layer(name, t):  # 4-bit files: lm_head int8, as converted
             from comfy_kitchen.tensor import TensorWiseINT8Layout
 
