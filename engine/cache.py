@@ -12,9 +12,8 @@ DeltaNet restore: the verify forward keeps the recurrent state after every one o
 its last row over the committed state itself (``staging_buffers`` holds the rows before it): a
 step always keeps at least its first row and most often all of them (MTP off: always), which
 then costs no copy; ``commit(0)`` of such a step is refused. A deferred-replay alternative (keep the
-pre-verify state, recompute the kept rows after acceptance) costs the same recurrence again for
-every partly accepted step and is measured in the tests; snapshots are never slower and need no
-second pass, so they are what the engine uses.
+pre-verify state, recompute the kept rows after acceptance) costs the recurrence again for every
+partly accepted step (measured in the tests); snapshots are never slower, so the engine uses them.
 
 The cache owns its bookkeeping: ``ModelCache`` allocates the fused path's staging buffers
 (``staging_buffers``), stages every DeltaNet layer at once (``stage_deltanet``, one
@@ -318,6 +317,18 @@ class ModelCache:
         for layer in self.layers:
             if isinstance(layer, KVCache) or layer.staged:
                 layer.commit(n)
+
+    def reset(self) -> None:
+        """Empty the cache for a new generation: no rows, zero DeltaNet state (slots are not cleared)."""
+        self._staged_delta = None
+        self.recurrent.zero_()
+        self.conv.zero_()
+        for st in self.layers + [self.mtp]:
+            if isinstance(st, KVCache):
+                st.length.zero_()
+                st.host_length = st.staged = st.uncounted = 0
+            elif st is not None:
+                st._put((None, None, 0))
 
     def discard(self) -> None:
         """Drop every staged row of the main model (``commit(0)``; refused after a fused step,

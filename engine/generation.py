@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import held
 from .binding import Qwen35Binding, bind
 from .mtp_auto import DepthController, FixedDepth, cycle_costs
 from .readback import Readback
@@ -102,6 +103,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     ``callback(all_tokens, new_tokens, stats)`` runs after every accepted step; if it
     raises, generation stops and the exception propagates (the model is untouched and reusable).
     ``cache_fill`` pre-fills every K/V slot (tests: NaN shows unfilled slots are never read).
+    Without it the runner stack (cache, fused plan, CUDA graphs) is kept on the model for its next
+    generation, which reuses it while the weights and settings stay (``engine/held.py``).
     ``weight_cast``: the application layer's hook for module weights it casts per call (see
     ``bind``); ComfyUI's layer passes it. ``weights``: how decode kernels read module weights in place
     (see ``bind``; default: the engine's own modules); ComfyUI's layer passes its resolver.
@@ -115,15 +118,22 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
         position_ids=position_ids, attention=attention, execution_dtype=execution_dtype, mtp_draft=mtp_draft,
         cache_fill=cache_fill, cuda_graphs=cuda_graphs, fused=fused)
     backend = attention_backend(req.attention, binding.config, req.dtype, req.device)
-    runner = build_runner(binding, capacity=req.capacity, dtype=req.dtype, device=req.device,
-                          attention=req.attention, mtp=req.mtp_depth > 0, fused=req.fused,
-                          cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill, verify_rows=req.mtp_depth + 1)
+    keep = req.cache_fill is None
+    before = held.allocated(req.device)
+    runner = build_runner(binding, capacity=held.rounded_capacity(req.capacity) if keep else req.capacity,
+                          dtype=req.dtype, device=req.device, attention=req.attention, mtp=req.mtp_depth > 0,
+                          fused=req.fused, cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill,
+                          verify_rows=req.mtp_depth + 1, keep=keep)
+    binding = runner.binding  # a kept stack's binding: the same modules
     sampler = Sampler(req.sampling, seed=req.seed, stop_tokens=req.stop_tokens, min_tokens=req.min_tokens,
                       initial_tokens=req.initial_tokens, device=req.device, mtp_draft=req.mtp_draft)
     stats = GenerationStats(mtp_depth=req.mtp_depth, attention_backend=backend,
                             decode_path=getattr(runner, "decode_path", ""))
     with torch.no_grad(), binding.holding_output_weight():
-        return _run(binding, runner, sampler, stats, req, callback)
+        result = _run(binding, runner, sampler, stats, req, callback)
+        if keep:
+            held.rest(runner, held.allocated(req.device) - before if runner.stack_bytes is None else runner.stack_bytes)
+    return result
 
 
 def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStats, req: GenerationRequest,
@@ -159,7 +169,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         key = (id(binding.transformer), id(binding.mtp), str(dtype), str(device), sampler.greedy,
                type(runner).__name__, stats.attention_backend)
         costs = cycle_costs(key, req.mtp_depth)
-        control = DepthController(req.mtp_depth, costs, start=costs.last_depth)
+        control = DepthController(req.mtp_depth, costs, start=costs.last_depth, ready=_ready(runner))
     else:
         control = FixedDepth(req.mtp_depth)
     # MTP catch-up rows: true hidden states and the embedding of the token that follows each.
@@ -174,6 +184,11 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         stats.mtp_auto = req.mtp_auto
         stats.mtp_depths, stats.mtp_acceptance, stats.mtp_off = summary["depths"], summary["acceptance"], summary["off"]
     return GenerationResult(list(sampler.generated), stats, stop)
+
+
+def _ready(runner) -> set[int]:
+    """The MTP depths whose graphs a kept stack already has (``GraphRunner.ready_depths``)."""
+    return runner.ready_depths() if hasattr(runner, "ready_depths") else set()
 
 
 def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowPositions, req: GenerationRequest,
@@ -197,7 +212,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
     pinned = torch.empty(3 * req.mtp_depth + 2, dtype=torch.int64, pin_memory=True) \
         if torch.device(device).type == "cuda" else None
     drafted, pending_id, mtp_start, shadow = None, None, 0, None
-    ran: set[int] = set()
+    ran: set[int] = _ready(runner)  # depths whose graphs exist: their first cycle captures nothing
     clock = time.perf_counter()
     while len(sampler.generated) < max_length:
         length = cache.length

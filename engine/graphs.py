@@ -9,10 +9,11 @@ states, for ``mtp="auto"``'s plain steps), and ``mtp+row`` (the MTP catch-up ove
 ``speculative.catch_up``) the pick of its kept row on the device; the host bookkeeping the
 eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
 replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
-the graph lives (a GraphRunner lives for one generation, so a reload, an unload or a patch between
-generations is seen by the next one's ``graph_blocker``): when a module still called in the step
-streams its weights in or patches them per call, lives off the GPU, or the attention backend is not
-graph-safe, ``graph_blocker`` names the reason and generation runs eagerly (said once). A module
+the graph lives (a GraphRunner is kept between generations only while the model's weights stay
+where they were, ``engine/held.py``, and the next generation checks ``graph_blocker`` again):
+when a module still called in the step streams its weights in or patches them per call, lives off
+the GPU, or the attention backend is not graph-safe, ``graph_blocker`` names the reason and
+generation runs eagerly (said once). A module
 that casts a resident weight per call (ComfyUI's ``comfy_cast_weights``) is captured: the replay
 casts the same storage again. Without the fused kernels (no Triton) the whole module path is
 captured this way. A bucketed attention backend (``kernels.bucket_end``) reads a span fixed at
@@ -205,12 +206,19 @@ class GraphRunner:
         return self._run("mtp+logits", hidden, pos, emb)
 
     # ------------------------------------------------------------------ internals
+    def ready_depths(self) -> set[int]:
+        """The MTP depths k whose verify step (k + 1 rows; 0: a plain step) has a graph already."""
+        plain = {"main+tokenh", "main+logits"}  # depth 0: plain steps keeping hidden states
+        return {rows - 1 for kind, rows, _ in self._graphs if kind == "main+logits" and rows > 1} | \
+            ({0} if any(kind in plain and rows == 1 for kind, rows, _ in self._graphs) else set())
+
     def _keep(self, key: tuple, g: _Graph) -> None:
         """Store a new graph; with a bucketed backend drop this kind's graphs of spans more than one
-        bucket below (a generation's span only grows, but for an MTP rollback across a bucket edge)."""
+        bucket away (a generation's span only grows, but for an MTP rollback across a bucket edge;
+        a kept stack's next generation starts lower)."""
         kind, rows, span = key
         if span is not None:
-            for old in [k for k in self._graphs if k[:2] == (kind, rows) and k[2] < span - attention_torch.BUCKET]:
+            for old in [k for k in self._graphs if k[:2] == (kind, rows) and abs(k[2] - span) > attention_torch.BUCKET]:
                 del self._graphs[old]
         self._graphs[key] = g
 

@@ -19,14 +19,14 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   against 279.6 without MTP).
 * **Start**: at the depth the last generation of the same model shape ended at (``CycleCosts.
   last_depth``: the same head and settings tend to keep as many drafts), else at depth 1.
-* **Capture cost**: the first cycle at a depth in a generation captures that depth's CUDA graphs
-  (a GraphRunner lives for one generation): about 75 ms for the 9B verify step on an H100, some
-  20 plain steps. ``CycleCosts.capture()`` is the smallest such overhead seen (a first cycle's
-  wall time over the depth's estimate; ``CAPTURE_STEPS`` plain steps before one is seen). A depth
-  not yet run in this generation is switched to only when the time it saves over the expected
-  rest of the generation exceeds that cost: ``HORIZON_MIN`` tokens, or more when the tokens made
-  so far, or what the last generation of the same model made beyond them, say so; at most the
-  room left.
+* **Capture cost**: the first cycle at a depth captures that depth's CUDA graphs unless the
+  stack kept from the last generation has them (``ready``, ``engine/held.py``): about 75 ms for
+  the 9B verify step on an H100, some 20 plain steps. ``CycleCosts.capture()`` is the smallest
+  such overhead seen (a first cycle's wall time over the depth's estimate; ``CAPTURE_STEPS``
+  plain steps before one is seen). A depth without graphs is switched to only when the time it
+  saves over the expected rest of the generation exceeds that cost: ``HORIZON_MIN`` tokens, or
+  more when the tokens made so far, or what the last generation of the same model made beyond
+  them, say so; at most the room left.
 * **Switching**: to the best depth when it is ``HYSTERESIS`` better than the current one (and,
   for a depth not yet run, worth its capture). At depth 0 the controller asks for a plain segment
   of ``segment_length()`` tokens; after it, ``shadow_depth()`` drafts are made by the MTP head
@@ -153,8 +153,9 @@ class DepthController:
     ``shadow(depth, matched)`` once the next segment's tokens are known. ``summary()`` for the stats.
     """
 
-    def __init__(self, max_depth: int, costs: CycleCosts, start: int | None = None):
+    def __init__(self, max_depth: int, costs: CycleCosts, start: int | None = None, ready: set[int] = frozenset()):
         self.max_depth = max_depth
+        self.ready = set(ready)  # depths whose graphs exist before this generation (a kept stack's)
         self.costs = costs
         self.depth = min(1 if start is None else start, max_depth)
         self._reached = [0.0] * (max_depth + 1)  # decayed counts, index = draft position (1-based)
@@ -220,8 +221,8 @@ class DepthController:
         return h if self.room is None else min(h, self.room)
 
     def captured(self, depth: int) -> bool:
-        """Whether this generation has ``depth``'s graphs: it ran there, or runs there now."""
-        return depth == self.depth or self.histogram[depth] > 0
+        """Whether ``depth``'s graphs exist: it ran there, runs there now, or a kept stack has them."""
+        return depth == self.depth or self.histogram[depth] > 0 or depth in self.ready
 
     def worth(self, depth: int, a: list[float]) -> bool:
         """Whether running ``depth`` instead of the current depth pays: by ``HYSTERESIS``, and for a

@@ -11,6 +11,7 @@ import torch
 
 from ..kernels import backend_for, say_once
 from ..kernels.capabilities import pdl_reason, triton_pdl_reason
+from . import held
 from .binding import Qwen35Binding
 from .cache import ModelCache
 from .errors import Qwen35Error, exception_line
@@ -93,17 +94,19 @@ def trial_step(binding: Qwen35Binding, plan: FusedPlan, *, device, dtype: torch.
 
 def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, device, attention: str = "auto",
                  mtp: bool = True, fused: bool | str = "auto", cuda_graphs: bool | str = "auto",
-                 cache_fill: float | None = None, verify_rows: int = 1) -> Runner | GraphRunner:
+                 cache_fill: float | None = None, verify_rows: int = 1, keep: bool = False) -> Runner | GraphRunner:
     """A ``ModelCache`` of ``capacity`` slots (with the MTP layer's K/V when ``mtp``) and the runner
     over it (``.cache``): the fused kernels and CUDA graphs where ``fused`` / ``cuda_graphs``
     ("auto", True = required, False) and the model allow; its ``decode_path`` says which, in short
     (for the node's status line), with the reason where the fused kernels or graphs are off. On
     CUDA the fused path first runs a ``trial_step`` (1 row and ``verify_rows``, the MTP verify's
-    rows); if that fails, "auto" runs the modules instead and says why once. Qwen35Error when
-    something required cannot run (the attention backend, fused=True, cuda_graphs=True)."""
+    rows); if that fails, "auto" runs the modules instead and says why once. ``keep``: the stack
+    the last generation of this model left (``held.take``) is returned when it fits (its
+    ``binding`` is that generation's, over the same modules; its cache may be larger and hold the
+    MTP head's K/V when ``mtp`` is off), and the stack gets its ``stack_key`` for ``held.rest``.
+    Qwen35Error when something required cannot run (the attention backend, fused=True,
+    cuda_graphs=True)."""
     backend = attention_backend(attention, binding.config, dtype, device)
-    cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
-                       fill=cache_fill)
     plan, no_plan = fused_plan(fused, binding, device, dtype)
     binding.plain_output = None if plan is None else plan.output
     binding.plain_embedding = None if plan is None else plan.embedding
@@ -120,6 +123,18 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
                 raise Qwen35Error(f"fused=True but {no_plan}")
             say_once(log, f"Qwen3.5 decode runs without the fused kernels (slower): {no_plan}; please report "
                           "this with the versions named")
+    key = None
+    if keep:
+        key = held.stack_key(binding, dtype=dtype, device=device, attention=attention, fused=fused,
+                             cuda_graphs=cuda_graphs)
+        blocks = (lambda b, p: graph_blocker(b, torch.device(device), dtype, attention, p)) if cuda_graphs else None
+        kept = held.take(binding, key, capacity, mtp, plan, blocks)
+        if kept is not None:
+            kept.decode_path = kept.decode_base + " (kept from the last generation)"
+            log.info("Qwen3.5 decode path: the last generation's (%s)", kept.decode_base)
+            return kept
+    cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
+                       fill=cache_fill)
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
     blocker = graph_blocker(binding, torch.device(device), dtype, attention, plan) if cuda_graphs else None
     if blocker is not None:
@@ -141,6 +156,8 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
         log.info("Qwen3.5 decode path: every layer through its module calls (no fused kernels: %s), CUDA graphs %s, "
                  "attention '%s'", no_plan, on, backend)
     out = GraphRunner(runner, required=cuda_graphs is True) if graphs else runner
-    out.decode_path = ("Triton kernels" if plan is not None else f"module calls (no Triton kernels: {no_plan})") + (
+    out.decode_path = out.decode_base = (
+        "Triton kernels" if plan is not None else f"module calls (no Triton kernels: {no_plan})") + (
         ", CUDA graphs" if graphs else f", no CUDA graphs ({blocker or 'cuda_graphs=False'})")
+    out.stack_key, out.stack_bytes = key, None
     return out

@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from ..engine import held
 from ..engine.errors import exception_line
 from ..engine.plain_weights import PlainLinear, StandaloneWeights
 from ..kernels import say_once
@@ -142,9 +143,11 @@ def make_resident(patcher, streamed: str | None = None) -> str | None:
     model is (now) fully loaded or not ComfyUI's, else why it stays partly offloaded (the module
     path then runs for the offloaded layers, and the engine's log line names them). A DynamicVRAM
     patcher (one ``resident_clip`` left streamed, ``streamed`` saying why) is not loaded: the reason
-    is said once."""
+    is said once. Also has ComfyUI's unload of the model (``detach``) free the decode stack the
+    engine keeps between generations (``release_kept``)."""
     if patcher is None or not hasattr(patcher, "loaded_size") or not hasattr(patcher, "model_size"):
         return None
+    _release_on_detach(patcher)
     if is_dynamic(patcher):
         why = ("ComfyUI streams this model's weights in per call (DynamicVRAM), so every layer runs through "
                "its module call: " + (streamed or "connect the CLIP through the 'Length-aware decode (Qwen3.5)' "
@@ -167,6 +170,37 @@ def make_resident(patcher, streamed: str | None = None) -> str | None:
     log.info("Qwen3.5: loaded the whole model on the GPU (%.1f GB) so the decode kernels read it in place",
              total / 2**30)
     return None
+
+
+#: The key of ``release_kept`` among a patcher's detach callbacks.
+DETACH_KEY = "qwen35_fast_kept_stack"
+
+
+def release_kept(patcher, unpatch_all: bool = True, *_args) -> None:
+    """ComfyUI's ``ON_DETACH`` callback: free the decode stack kept on the patcher's Qwen3.5
+    (``engine/held.py``) when ComfyUI unloads the model (``unpatch_all``: its weights go back to the
+    offload device). ComfyUI 0.29.0 also detaches a loaded model without unpatching whenever it is
+    loaded again (every ``CLIP.generate``); its weights stay, and the next generation's check of
+    them decides whether the kept stack still fits."""
+    model = getattr(patcher, "model", None)
+    if unpatch_all and model is not None and held.release_within(model):
+        log.info("Qwen3.5: ComfyUI unloaded the model; the decode stack kept for it is freed")
+
+
+def _release_on_detach(patcher) -> None:
+    """Register ``release_kept`` once on ``patcher`` and on the loaded clones of its model (ComfyUI
+    loads and unloads the clone a CLIP's ``generate`` ran with; clones made later copy it)."""
+    try:
+        import comfy.model_management as mm
+        from comfy.patcher_extension import CallbacksMP
+    except ImportError:
+        return
+    loaded = [lm.model for lm in getattr(mm, "current_loaded_models", ())
+              if getattr(getattr(lm, "model", None), "model", None) is patcher.model]
+    for p in [patcher, *loaded]:
+        if hasattr(p, "add_callback_with_key") and release_kept not in \
+                p.callbacks.get(CallbacksMP.ON_DETACH, {}).get(DETACH_KEY, []):
+            p.add_callback_with_key(CallbacksMP.ON_DETACH, DETACH_KEY, release_kept)
 
 
 class Resolver:

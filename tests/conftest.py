@@ -56,3 +56,13 @@ def test_seed() -> int:
 def rng(test_seed):
     """A torch generator seeded with the test seed."""
     return torch.Generator().manual_seed(test_seed)
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_stacks():
+    """Each test starts and ends without a decode stack kept from another (``engine/held.py``)."""
+    from qwen35_fast.engine import held
+
+    held.release_all()
+    yield
+    held.release_all()

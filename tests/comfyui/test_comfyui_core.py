@@ -312,3 +312,26 @@ def test_dynamic_clip_too_big_stays_streamed_and_says_why(comfy, monkeypatch, ca
     assert list(patched.generate(tokens, do_sample=False, max_length=STEPS)) == core
     why = [r.getMessage() for r in caplog.records if "DynamicVRAM" in r.getMessage()]
     assert why and "does not fit whole on this GPU" in why[0], why
+
+
+def test_kept_stack_follows_comfys_unload(comfy):
+    """The engine keeps a generation's decode stack for the next one (``engine/held.py``); ComfyUI's
+    unload of the model (``unload_all_models`` -> ``detach``) frees it through the pack's detach
+    callback, and the next prompt builds a new one with the same tokens."""
+    import comfy.model_management as mm
+    from qwen35_fast.engine import bind, held
+    from qwen35_fast.patches.clip_patch import patch_clip
+
+    held.release_all()
+    clip = _core_load(comfy, checkpoint("int8"))
+    patched = patch_clip(clip, mtp="off")
+    tokens = patched.tokenize(PROMPT)
+    first = patched.generate(tokens, do_sample=False, max_length=STEPS)
+    again = patched.generate(tokens, do_sample=False, max_length=STEPS)
+    assert "kept from the last generation" in again.stats.decode_path and list(again) == list(first)
+    assert [r.binding.transformer for r in held.kept_stacks()] == [bind(_target(clip).transformer).transformer]
+    mm.unload_all_models()
+    assert held.kept_stacks() == []
+    after = patched.generate(tokens, do_sample=False, max_length=STEPS)
+    assert "kept" not in after.stats.decode_path and list(after) == list(first)
+    held.release_all()

@@ -220,14 +220,17 @@ def test_fast_path_reads_4bit_files_in_place(comfy, rng, monkeypatch):
 
 
 @pytest.mark.one_tree
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fmt", ["convrot_w4a4", "nvfp4"])
-def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt):
+def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt, device):
     """The converter's file read by ComfyUI's own file path (``comfy.utils.load_torch_file`` +
     ``convert_old_quants``, as ``load_clip``) into ``MixedPrecisionOps`` modules: every converted layer
     is ComfyUI's 4-bit ``QuantizedTensor``, its ``dequantize()`` equals the converter's own
     dequantization, and the fused plan reads each in place. The embedding table is ComfyUI's int8
     (its lookup within int8 rounding of the source's rows), and greedy tokens of the fused path
-    equal the module path's with it (fp32, ComfyUI dequantizing as in the mixed-format test)."""
+    equal the module path's with it (fp32, ComfyUI dequantizing as in the mixed-format test), on
+    the CPU (Triton interpreter) and on a GPU (the compiled 4-bit kernels, the model moved there by
+    ``Module.to`` as ComfyUI's load moves it)."""
     import importlib
 
     from qwen35_fast.engine.fused import FusedPlan
@@ -264,7 +267,8 @@ def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt)
         rows = f.get_tensor(convert_4bit.EMBEDDING).float()[ids]
     got = table(ids).float()
     assert got.shape == rows.shape and ((got - rows).norm() / rows.norm()).item() < 0.01
-    plan, why = FusedPlan.build(bind(model, **BIND), "cpu", torch.float32)
+    model.to(device)
+    plan, why = FusedPlan.build(bind(model, **BIND), device, torch.float32)
     if plan is None and "Triton" in why:
         pytest.skip(why)
     assert plan is not None and plan.formats.get(fmt) == len(quantized), why or plan.describe()
@@ -273,7 +277,7 @@ def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt)
         m._full_precision_mm = True  # the module path: ComfyUI dequantizes (as the mixed-format test)
         if fmt == "convrot_w4a4":
             monkeypatch.setattr(m, "forward", lambda x, m=m: F.linear(x, m.weight.dequantize().to(x.dtype), m.bias))
-    emb = torch.randn(7, d["hidden_size"], generator=torch.Generator().manual_seed(5))
+    emb = torch.randn(7, d["hidden_size"], generator=torch.Generator().manual_seed(5)).to(device)
     kw = dict(do_sample=False, max_length=6, mtp="off", stop_tokens=[], execution_dtype=torch.float32,
               attention="torch", cuda_graphs=False)
     fused = generate(model, emb, **BIND, fused=True, **kw)

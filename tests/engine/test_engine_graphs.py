@@ -287,8 +287,9 @@ def test_a_failed_capture_keeps_the_rest_in_graphs_and_the_rng_usable(tmp_path, 
 
 def test_bucketed_graphs_are_kept_per_span(tmp_path, test_seed, monkeypatch):
     """A bucketed backend's graphs are keyed by span (the filled slots after the step, rounded up to
-    a bucket); a new span drops the same kind's graphs more than one bucket below it (an MTP
-    rollback can cross back one bucket edge, never two)."""
+    a bucket); a new span drops the same kind's graphs more than one bucket away from it (an MTP
+    rollback can cross back one bucket edge, never two; a kept stack's next generation starts
+    lower, and the spans above are dropped then)."""
     from qwen35_fast.engine import graphs
     from qwen35_fast.engine.cache import ModelCache
     from qwen35_fast.engine.forward import Runner
@@ -305,7 +306,7 @@ def test_bucketed_graphs_are_kept_per_span(tmp_path, test_seed, monkeypatch):
         g._keep(("main", 1, span), graphs._Graph(None, [], (), None))
         g._keep(("mtp", 1, 4), graphs._Graph(None, [], (), None))  # another kind: kept
         seen.append(sorted(k[2] for k in g._graphs if k[0] == "main"))
-    assert seen == [[4], [4], [4, 8], [8, 12], [12, 16], [8, 12, 16]]
+    assert seen == [[4], [4], [4, 8], [8, 12], [12, 16], [8, 12]]
     assert ("mtp", 1, 4) in g._graphs
 
 
@@ -389,3 +390,44 @@ def test_the_module_path_routes_rerouted_int8_rows(tmp_path, test_seed):
     with pytest.raises(RuntimeError):
         runner._lin(lin, torch.randn(1, 1, 7))  # the module call raises
     assert runner.failed_module is lin
+
+
+@gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_kept_graphs_serve_the_next_prompt(tmp_path, test_seed, fused):
+    """The stack kept from one generation (``engine/held.py``) replays its graphs for the next
+    prompt without capturing them again, with the tokens of a fresh eager run; at rest it pins no
+    weight (moving the model off the GPU frees all of it); after the move it is rebuilt; released,
+    its cache's memory is freed."""
+    import gc
+
+    from qwen35_fast.engine import held
+
+    held.release_all()
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda")
+    g = torch.Generator("cuda").manual_seed(seed)
+    p1, p2 = (torch.randn(1, n, d["hidden_size"], device="cuda", generator=g) for n in (23, 31))
+    kw = dict(do_sample=False, max_length=40, stop_tokens=[], mtp=3, fused=fused)
+    generate(model, p1, **kw)
+    (runner,) = held.kept_stacks()
+    first = dict(runner._graphs)
+    second = generate(model, p2, **kw)
+    assert "kept from the last generation" in second.stats.decode_path
+    assert ("main+logits", 4) in {k[:2] for k in first} and all(runner._graphs[k] is v for k, v in first.items())
+    assert second.tokens == generate(model, p2, cuda_graphs=False, cache_fill=float("nan"), **kw).tokens
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.synchronize()
+    resting = torch.cuda.memory_allocated()
+    model.to("cpu")
+    gc.collect()
+    assert torch.cuda.memory_allocated() <= resting - weights  # nothing of the weights stayed pinned
+    model.to("cuda")
+    third = generate(model, p2, **kw)
+    assert "kept" not in third.stats.decode_path and third.tokens == second.tokens
+    cache = sum(t.numel() * t.element_size() for t in held._walk_tensors(held.kept_stacks()[0].cache))
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated()
+    assert held.release_all() == 1
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= kept - cache
