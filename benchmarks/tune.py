@@ -81,12 +81,12 @@ def candidates(n: int, k: int, quant: bool, weights: int, shared: int, quick: bo
     return out
 
 
-def candidates4(k: int, weights: int, shared: int, quick: bool, kind: str = "nvfp4") -> list[tuple[int, ...]]:
-    """4-bit launch configs to time (BLOCK_K in weight columns). ``w4a4``: the word tile's (one or two
-    warps, one stage, lanes on whole words or vector loads: ``gemv4w.py``); ``nvfp4``: the
-    tensor-core tile's, BLOCK_K at most 512 (wider tiles spill)."""
+def candidates4(k: int, weights: int, shared: int, quick: bool, words: bool = False) -> list[tuple[int, ...]]:
+    """4-bit launch configs to time (BLOCK_K in weight columns). ``words``: the word tile's (one or
+    two warps, one stage, lanes on whole words or vector loads: ``gemv4w.py``, both formats at 1..8
+    rows); else the tensor-core tile's, BLOCK_K at most 512 (wider tiles spill)."""
     out = []
-    if kind == "w4a4":
+    if words:
         for bn in (8, 16, 32) if quick else (4, 8, 16, 32):
             for bk in (256, 512, 1024):
                 for warps in (1,) if quick else (1, 2):
@@ -146,7 +146,8 @@ def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) 
         x = torch.randn(1, rows, k, device="cuda", generator=gen).to(torch.bfloat16)
         if kind in FOUR_BIT:
             picked, picked_split = launch.gemv4(n, k, FOUR_BIT[kind], rows, record, weights=len(ns))
-            grid = candidates4(k, len(ns), record.shared, quick, kind)
+            words = launch.gemv4_words(FOUR_BIT[kind], k, rows)
+            grid = candidates4(k, len(ns), record.shared, quick, words)
 
             def run(ws, cfg, p):
                 return gemv4_group(x, ws, rotate=False, config=cfg, split=p)
@@ -156,7 +157,7 @@ def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) 
 
             def run(ws, cfg, p):
                 return gemv_group(x, ws, scales=scales, config=cfg, split=p)
-        splits = ((4, 8, 16) if quick else (1, 2, 4, 8, 16)) if kind == "w4a4" and split else \
+        splits = ((4, 8, 16) if quick else (1, 2, 4, 8, 16)) if kind in FOUR_BIT and words and split else \
             (1, 2, 4, 8) if split else (1,)
         timed = []
         for cfg in [picked] + [c for c in grid if c != picked]:

@@ -6,9 +6,9 @@ weights and their scales once. For bf16 / fp16 x the widening is integer work al
 are placed under a 16-bit float's exponent (``_nibbles16``, ``_e2m1_16``); convrot_w4a4's signed
 nibble q becomes OFFSET + q, and ``OFFSET * sum(x)`` leaves the float32 accumulator at the end.
 No repacking: the kernels read comfy-kitchen's ``QuantizedTensor`` storage as ComfyUI loaded it.
-Works wherever Triton runs (no INT4 / FP4 tensor cores needed). Two tiles: convrot_w4a4 with K a
+Works wherever Triton runs (no INT4 / FP4 tensor cores needed). Two tiles: either format with K a
 multiple of 8, 4-byte aligned rows and 1..8 rows of x runs ``gemv4w.py``'s word tile on the FMA
-units (``launch.gemv4_words``); everything else (nvfp4, more rows, other storage) this module's
+units (``launch.gemv4_words``); everything else (more rows, other storage) this module's
 tensor-core tile, x's dtype on the tensor cores as in ``gemv.py``.
 
 Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
@@ -26,7 +26,7 @@ Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
 
 An E2M1 value times its E4M3 block scale has at most 6 significant bits, so it is formed exactly in
 x's dtype; the per-row / per-tensor float32 scale multiplies the float32 accumulator. Launch
-settings come from ``launch.gemv4`` (the GPU's table, kinds ``w4a4`` / ``nvfp4``, else
+settings come from ``launch.gemv4`` (the GPU's table, kinds ``w4a4`` (the word tile) / ``nvfp4``, else
 ``fallback.gemv4_config``); split-K, ``row_norm``, ``prefetch`` and programmatic dependent launch
 behave as in ``gemv.gemv_group``.
 """
@@ -41,7 +41,7 @@ from . import launch
 from .capabilities import compiled
 from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
 from .gemv import MAX_GEMV_ROWS, MAX_GROUP, _prefetch_args, _row_norm_args
-from .gemv4w import gemv4w_kernel
+from .gemv4w import _e2m1, _e4m3, gemv4w_kernel
 from .packed4 import FORMATS, Packed4, packed_reason, round_up
 from .pdl import launch_args, trigger, wait
 from .ptx import prefetch_share
@@ -53,17 +53,6 @@ __all__ = ["FORMATS", "Packed4", "gemv4", "gemv4_group", "gemv4_reason"]
 FMT = {"convrot_w4a4": 1, "nvfp4": 2}
 #: x dtype -> the kernel's HALF16 (0: float32, exact conversions and IEEE dots)
 X_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-@triton.jit
-def _e2m1(nib):
-    # E2M1 code (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32, exactly.
-    mag = nib & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    pw = tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0))
-    v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pw)
-    return tl.where((nib & 8) != 0, -v, v)
 
 
 @triton.jit
@@ -92,16 +81,6 @@ def _e2m1_16(nib, HALF16: tl.constexpr):
         h = 0x3F00
         bits = tl.where(mag >= 2, (mag << 6) + h, mag * h)
     return (bits | ((nib & 8) << 12)).to(tl.int16)
-
-
-@triton.jit
-def _e4m3(b):
-    # float8_e4m3fn byte (int32 0..255) -> float32, exactly (no FP8 instructions: any GPU).
-    e = (b >> 3) & 15
-    m = (b & 7).to(tl.float32)
-    pw = ((e + 120) << 23).to(tl.float32, bitcast=True)  # 2^(e - 7)
-    v = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * pw)
-    return tl.where((b & 128) != 0, -v, v)
 
 
 @triton.jit
@@ -271,24 +250,26 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     pf = _prefetch_args(prefetch, x.device, prefetch_bytes) or (x2, 0)
     ys, nn, ee = outs + [outs[0]] * pad, ns + [0] * pad, (ends + [total] * pad)[:3]
     common = dict(num_warps=warps, num_stages=stages, **launch_args(x.device))
-    if words:
-        ptx = compiled(x.device) and torch.version.hip is None
-        ws = [p.qdata.view(torch.int32) for p in weights]
-        ws, ss = ws + [ws[0]] * pad, [p.scale.reshape(-1) for p in weights] + [weights[0].scale.reshape(-1)] * pad
-        even = k % k_per == 0 and all(n % block_n == 0 for n in ns)
-        gemv4w_kernel[(total, parts)](
-            x2, *ws, *ss, *ys, k // 8, k_per // 8, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws),
-            *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf, 1,
-            COUNT=len(weights), ROWS=m, BLOCK_N=block_n, BLOCK_W=block_k // 8, EVEN=even,
-            PTX=ptx, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, VEC=len(cfg) > 4 and cfg[4] == 1,
-            EXACT=x.dtype == torch.float32, XK=X_KIND[x.dtype] if ptx and _x_aligned(x2) else -1, **common)
-        return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
     nv = first.fmt == "nvfp4"
     ss = [p.block_scale.view(torch.uint8).reshape(-1) if nv else p.scale.reshape(-1) for p in weights]
     ts = [p.scale.reshape(-1) for p in weights]
     cols = [p.block_scale.numel() // round_up(round_up(p.n, 16), 128) if nv else 0 for p in weights]
+    ss, ts, cc = ss + [ss[0]] * pad, ts + [ts[0]] * pad, cols + [0] * pad
+    if words:
+        ptx = compiled(x.device) and torch.version.hip is None
+        ws = [p.qdata.view(torch.int32) for p in weights]
+        ws = ws + [ws[0]] * pad
+        even = k % k_per == 0 and all(n % block_n == 0 for n in ns)
+        gemv4w_kernel[(total, parts)](
+            x2, *ws, *ss, *ts, *ys, k // 8, k_per // 8, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws), *cc,
+            *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf, 1,
+            COUNT=len(weights), ROWS=m, BLOCK_N=block_n, BLOCK_W=block_k // 8, EVEN=even,
+            PTX=ptx, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, VEC=len(cfg) > 4 and cfg[4] == 1,
+            EXACT=x.dtype == torch.float32 or nv, XK=X_KIND[x.dtype] if ptx and _x_aligned(x2) else -1,
+            FMT=FMT[first.fmt], **common)
+        return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
     ws = [p.qdata for p in weights]
-    ws, ss, ts, cc = ws + [ws[0]] * pad, ss + [ss[0]] * pad, ts + [ts[0]] * pad, cols + [0] * pad
+    ws = ws + [ws[0]] * pad
     _gemv4_kernel[(total, parts)](
         x2, *ws, *ss, *ts, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws), *cc,
         *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf,

@@ -1,9 +1,9 @@
-"""convrot_w4a4 weights in the decode-row products, read as 32-bit words on the FMA units (Triton).
+"""4-bit weights in the decode-row products, read as 32-bit words on the FMA units (Triton).
 
-The tile behind ``gemv4.gemv4_group`` for ``convrot_w4a4`` weights whose rows are whole 32-bit words
-(K a multiple of 8, the storage 4-byte aligned) and 1..``launch.WORD_ROWS`` (8) rows of x, each row's
-accumulator unrolled (Triton 3.2 has no list of tensors to index); ``gemv4.py``'s tensor-core tile
-takes the rest and ``nvfp4``.
+The tile behind ``gemv4.gemv4_group`` for ``convrot_w4a4`` and ``nvfp4`` weights whose rows are whole
+32-bit words (K a multiple of 8, the storage 4-byte aligned) and 1..``launch.WORD_ROWS`` (8) rows of x,
+each row's accumulator unrolled (Triton 3.2 has no list of tensors to index); ``gemv4.py``'s
+tensor-core tile takes the rest.
 
 Each 32-bit word holds the signed nibbles of 8 consecutive columns (column 8w + j in bits 4j..4j+3,
 kitchen's even-column-low order). Per word, integer work alone makes 8 float32 values 136 + q: the
@@ -15,6 +15,13 @@ and masks elsewhere, ``_nib8``, the same values). A row of x gives each word its
 columns (``_columns``; Triton 3.4-3.6 move that tile through shared memory and spill at 4 rows); the
 float32 products accumulate per word, and ``136 * sum(x)`` leaves the sum at the end (float32 x:
 q itself, no sum). The per-row float32 scale multiplies the result, as does ``row_norm``'s factor.
+
+nvfp4 (``FMT`` 2): a word holds 8 E2M1 codes, the even column in a byte's high nibble; per 4 codes
+two byte permutes look 12 + 2|v| and 12 - 2|v| up in byte tables, a third turns the sign bits into
+byte masks, one lop3 picks, and the bytes become 140 + 2v under the exponent byte
+(``E2M1_ASM``; ``_e2m1`` per code elsewhere). A 16-column block is two words: each word's 8
+products are summed and multiplied by the block's E4M3 scale (read from the swizzled layout)
+before they join the accumulator; the tensor scale and the 1/2 multiply the result.
 
 No tensor cores: one warp per program, each lane owning whole words, so no product crosses lanes
 before the final sum. Launch config ``(BLOCK_N, BLOCK_K columns, warps, stages[, 1: vector loads of
@@ -82,6 +89,85 @@ def _nib8(wd, PTX: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(nib):
+    # E2M1 code (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> float32, exactly.
+    mag = nib & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    pw = tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0))
+    v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pw)
+    return tl.where((nib & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e4m3(b):
+    # float8_e4m3fn byte (int32 0..255) -> float32, exactly (no FP8 instructions: any GPU).
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    pw = ((e + 120) << 23).to(tl.float32, bitcast=True)  # 2^(e - 7)
+    v = tl.where(e == 0, m * 0.001953125, (1.0 + m * 0.125) * pw)
+    return tl.where((b & 128) != 0, -v, v)
+
+
+#: nvfp4 byte tables of ``_e2m1_8_ptx``: 12 + 2v for the magnitude codes 0..7, positive and negative
+#: (two 32-bit registers each, byte i = code i), and the byte permutes of the sign masks.
+E2M1_POS = (0x0F0E0D0C, 0x18141210)
+E2M1_NEG = (0x090A0B0C, 0x00040608)
+SIGN_SEL = (0x9D8C, 0xBFAE)
+
+
+#: ``_e2m1_8_ptx``'s PTX: 8 float32 140 + 2v from each int32 word of E2M1 codes (column 8w + 2b in
+#: the high nibble of byte b, 8w + 2b + 1 in the low one), column order 0..7. Per 4 codes: the
+#: magnitudes (code & 7, nibble-spaced as prmt selectors want them) pick 12 + 2|v| and 12 - 2|v| from
+#: the byte tables, the sign bits become byte masks (prmt's sign-replicate mode over w and w << 4)
+#: that choose between them (lop3 0xD8: c ? b : a), and each byte goes under the exponent byte 0x43.
+E2M1_ASM = tl.constexpr(f"""{{
+    .reg .b32 s, p, q, k, w4, lo, hi, m, tp0, tp1, tn0, tn1;
+    mov.b32 tp0, {E2M1_POS[0]}; mov.b32 tp1, {E2M1_POS[1]};
+    mov.b32 tn0, {E2M1_NEG[0]}; mov.b32 tn1, {E2M1_NEG[1]};
+    mov.b32 m, 0x43000000;
+    shl.b32 w4, $8, 4;
+    and.b32 s, $8, 0x7777;
+    prmt.b32 p, tp0, tp1, s;
+    prmt.b32 q, tn0, tn1, s;
+    prmt.b32 k, $8, w4, {SIGN_SEL[0]};
+    lop3.b32 lo, p, q, k, 0xD8;
+    shr.b32 s, $8, 16;
+    and.b32 s, s, 0x7777;
+    prmt.b32 p, tp0, tp1, s;
+    prmt.b32 q, tn0, tn1, s;
+    prmt.b32 k, $8, w4, {SIGN_SEL[1]};
+    lop3.b32 hi, p, q, k, 0xD8;
+    prmt.b32 $0, lo, m, 0x7144;
+    prmt.b32 $1, lo, m, 0x7044;
+    prmt.b32 $2, lo, m, 0x7344;
+    prmt.b32 $3, lo, m, 0x7244;
+    prmt.b32 $4, hi, m, 0x7144;
+    prmt.b32 $5, hi, m, 0x7044;
+    prmt.b32 $6, hi, m, 0x7344;
+    prmt.b32 $7, hi, m, 0x7244;
+    }}""")
+
+
+@triton.jit
+def _e2m1_8_ptx(wd):
+    return tl.inline_asm_elementwise(
+        asm=E2M1_ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wd], dtype=(tl.float32,) * 8, is_pure=True,
+        pack=1)
+
+
+@triton.jit
+def _e2m1_8(wd, PTX: tl.constexpr):
+    # (f0..f7): float32 2v of the E2M1 codes of columns 8w + 0..7 of each word w (exact)
+    if PTX:
+        f0, f1, f2, f3, f4, f5, f6, f7 = _e2m1_8_ptx(wd)
+        return f0 - 140.0, f1 - 140.0, f2 - 140.0, f3 - 140.0, f4 - 140.0, f5 - 140.0, f6 - 140.0, f7 - 140.0
+    return (2.0 * _e2m1((wd >> 4) & 15), 2.0 * _e2m1(wd & 15), 2.0 * _e2m1((wd >> 12) & 15),
+            2.0 * _e2m1((wd >> 8) & 15), 2.0 * _e2m1((wd >> 20) & 15), 2.0 * _e2m1((wd >> 16) & 15),
+            2.0 * _e2m1((wd >> 28) & 15), 2.0 * _e2m1((wd >> 24) & 15))
+
+
+@triton.jit
 def _columns(xv):
     # x tile [BLOCK_W, 8] -> its 8 columns, each [BLOCK_W] (in-thread splits)
     bw: tl.constexpr = xv.shape[0]
@@ -143,11 +229,12 @@ def _x8_ptx(p, ok, XK: tl.constexpr):
 
 
 @triton.jit
-def _row(acc, xs, f0, f1, f2, f3, f4, f5, f6, f7, Xr, offs_w, w_hi, EVEN: tl.constexpr, EXACT: tl.constexpr,
-         XK: tl.constexpr):
-    # one row of x against the tile's words: acc [BLOCK_N, BLOCK_W] += f * x; xs += x unless EXACT
-    # (f is q itself there, not 136 + q). XK >= 0: x's 8 columns of each word by ``_x8_ptx`` (x's
-    # kind, X_KIND); -1: a [BLOCK_W, 8] tile split into its columns (``_columns``).
+def _row(acc, xs, f0, f1, f2, f3, f4, f5, f6, f7, sc, Xr, offs_w, w_hi, EVEN: tl.constexpr, EXACT: tl.constexpr,
+         XK: tl.constexpr, FMT: tl.constexpr):
+    # one row of x against the tile's words: acc [BLOCK_N, BLOCK_W] += f * x (FMT 2, nvfp4: += sc *
+    # sum of the word's 8 products, sc its block scale); xs += x unless EXACT (f is the code's value
+    # itself there, not 136 + q). XK >= 0: x's 8 columns of each word by ``_x8_ptx`` (x's kind,
+    # X_KIND); -1: a [BLOCK_W, 8] tile split into its columns (``_columns``).
     if XK >= 0:
         x0, x1, x2, x3, x4, x5, x6, x7 = _x8_ptx(Xr + offs_w * 8, offs_w < w_hi, XK)
     else:
@@ -159,15 +246,20 @@ def _row(acc, xs, f0, f1, f2, f3, f4, f5, f6, f7, Xr, offs_w, w_hi, EVEN: tl.con
         x0, x1, x2, x3, x4, x5, x6, x7 = _columns(xv.to(tl.float32))
     if not EXACT:
         xs += ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    acc += f0 * x0[None, :]
-    acc += f1 * x1[None, :]
-    acc += f2 * x2[None, :]
-    acc += f3 * x3[None, :]
-    acc += f4 * x4[None, :]
-    acc += f5 * x5[None, :]
-    acc += f6 * x6[None, :]
-    acc += f7 * x7[None, :]
-    return acc, xs
+    if FMT == 2:
+        t = f0 * x0[None, :]
+    else:
+        t = acc + f0 * x0[None, :]
+    t += f1 * x1[None, :]
+    t += f2 * x2[None, :]
+    t += f3 * x3[None, :]
+    t += f4 * x4[None, :]
+    t += f5 * x5[None, :]
+    t += f6 * x6[None, :]
+    t += f7 * x7[None, :]
+    if FMT == 2:
+        return acc + sc * t, xs
+    return t, xs
 
 
 @triton.jit
@@ -182,13 +274,15 @@ def _store(acc, xs, scale, Yr, offs_n, n_ok, NRMr, n_nrm, n_mean, eps, ROW_NORM:
 
 
 @triton.jit
-def _tile4w(X, W, S, Y, N, KW, W_PER, sx_m, sw_n, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps, one,
+def _tile4w(X, W, S, T, Y, N, KW, W_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, NRM, n_nrm, s_nrm, n_mean, eps, one,
             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
             PTX: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr, VEC: tl.constexpr,
-            EXACT: tl.constexpr, XK: tl.constexpr):
+            EXACT: tl.constexpr, XK: tl.constexpr, FMT: tl.constexpr):
     # Program (pid, program_id(1)): BLOCK_N outputs over the words [pid_k * W_PER, + W_PER). VEC 0:
     # the words' offsets times ``one`` (1 at run time, unknown to the compiler) keep every lane on
-    # whole words of its own (no vector loads, no layout change for x); VEC 1: vector loads.
+    # whole words of its own (no vector loads, no layout change for x); VEC 1: vector loads. FMT 1:
+    # convrot_w4a4 (S its float32 row scales); 2: nvfp4 (S its swizzled E4M3 block scales, s_cols
+    # columns of them, T its float32 tensor scale; a 16-column block is two words).
     pid_k = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -212,26 +306,48 @@ def _tile4w(X, W, S, Y, N, KW, W_PER, sx_m, sw_n, sy_m, sy_k, pid, NRM, n_nrm, s
             wd = tl.load(ptrs)
         else:
             wd = tl.load(ptrs, mask=n_ok[:, None] & (offs_w < w_hi)[None, :], other=0)
-        f0, f1, f2, f3, f4, f5, f6, f7 = _nib8(wd, PTX)
-        if EXACT:  # float32 x: q itself, so no sum of x leaves the accumulator (exact products)
-            f0, f1, f2, f3 = f0 - OFFSET, f1 - OFFSET, f2 - OFFSET, f3 - OFFSET
-            f4, f5, f6, f7 = f4 - OFFSET, f5 - OFFSET, f6 - OFFSET, f7 - OFFSET
-        a0, s0 = _row(a0, s0, f0, f1, f2, f3, f4, f5, f6, f7, X, offs_w, w_hi, EVEN, EXACT, XK)
+        if FMT == 2:  # 2v of each code (exact); the word's block scale, swizzled as gemv4._tile4's
+            f0, f1, f2, f3, f4, f5, f6, f7 = _e2m1_8(wd, PTX)
+            blk = (offs_w >> 1)[None, :]
+            r = offs_n[:, None]
+            s_off = ((r >> 7) * (s_cols // 4) + (blk >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (blk & 3)
+            if EVEN:
+                sb = tl.load(S + s_off)
+            else:
+                sb = tl.load(S + s_off, mask=n_ok[:, None] & (offs_w < w_hi)[None, :], other=0)
+            sc = _e4m3(sb.to(tl.int32) & 255)
+        else:
+            f0, f1, f2, f3, f4, f5, f6, f7 = _nib8(wd, PTX)
+            sc = 1.0
+            if EXACT:  # float32 x: q itself, so no sum of x leaves the accumulator (exact products)
+                f0, f1, f2, f3 = f0 - OFFSET, f1 - OFFSET, f2 - OFFSET, f3 - OFFSET
+                f4, f5, f6, f7 = f4 - OFFSET, f5 - OFFSET, f6 - OFFSET, f7 - OFFSET
+        a0, s0 = _row(a0, s0, f0, f1, f2, f3, f4, f5, f6, f7, sc, X, offs_w, w_hi, EVEN, EXACT, XK, FMT)
         if ROWS > 1:
-            a1, s1 = _row(a1, s1, f0, f1, f2, f3, f4, f5, f6, f7, X + sx_m, offs_w, w_hi, EVEN, EXACT, XK)
+            a1, s1 = _row(a1, s1, f0, f1, f2, f3, f4, f5, f6, f7, sc, X + sx_m, offs_w, w_hi,
+                          EVEN, EXACT, XK, FMT)
         if ROWS > 2:
-            a2, s2 = _row(a2, s2, f0, f1, f2, f3, f4, f5, f6, f7, X + 2 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
+            a2, s2 = _row(a2, s2, f0, f1, f2, f3, f4, f5, f6, f7, sc, X + 2 * sx_m, offs_w, w_hi,
+                          EVEN, EXACT, XK, FMT)
         if ROWS > 3:
-            a3, s3 = _row(a3, s3, f0, f1, f2, f3, f4, f5, f6, f7, X + 3 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
+            a3, s3 = _row(a3, s3, f0, f1, f2, f3, f4, f5, f6, f7, sc, X + 3 * sx_m, offs_w, w_hi,
+                          EVEN, EXACT, XK, FMT)
         if ROWS > 4:
-            a4, s4 = _row(a4, s4, f0, f1, f2, f3, f4, f5, f6, f7, X + 4 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
+            a4, s4 = _row(a4, s4, f0, f1, f2, f3, f4, f5, f6, f7, sc, X + 4 * sx_m, offs_w, w_hi,
+                          EVEN, EXACT, XK, FMT)
         if ROWS > 5:
-            a5, s5 = _row(a5, s5, f0, f1, f2, f3, f4, f5, f6, f7, X + 5 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
+            a5, s5 = _row(a5, s5, f0, f1, f2, f3, f4, f5, f6, f7, sc, X + 5 * sx_m, offs_w, w_hi,
+                          EVEN, EXACT, XK, FMT)
         if ROWS > 6:
-            a6, s6 = _row(a6, s6, f0, f1, f2, f3, f4, f5, f6, f7, X + 6 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
+            a6, s6 = _row(a6, s6, f0, f1, f2, f3, f4, f5, f6, f7, sc, X + 6 * sx_m, offs_w, w_hi,
+                          EVEN, EXACT, XK, FMT)
         if ROWS > 7:
-            a7, s7 = _row(a7, s7, f0, f1, f2, f3, f4, f5, f6, f7, X + 7 * sx_m, offs_w, w_hi, EVEN, EXACT, XK)
-    scale = tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            a7, s7 = _row(a7, s7, f0, f1, f2, f3, f4, f5, f6, f7, sc, X + 7 * sx_m, offs_w, w_hi,
+                          EVEN, EXACT, XK, FMT)
+    if FMT == 2:  # the codes were 2v
+        scale = 0.5 * tl.load(T).to(tl.float32)
+    else:
+        scale = tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     Yk = Y + pid_k * sy_k
     _store(a0, s0, scale, Yk, offs_n, n_ok, NRM, n_nrm, n_mean, eps, ROW_NORM)
     if ROWS > 1:
@@ -251,27 +367,30 @@ def _tile4w(X, W, S, Y, N, KW, W_PER, sx_m, sw_n, sy_m, sy_k, pid, NRM, n_nrm, s
 
 
 @triton.jit(do_not_specialize=["one"])
-def gemv4w_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, Y0, Y1, Y2, Y3, KW, W_PER, N0, N1, N2, N3, E0, E1, E2,
-                  sx_m, sw0, sw1, sw2, sw3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
+def gemv4w_kernel(X, W0, W1, W2, W3, S0, S1, S2, S3, T0, T1, T2, T3, Y0, Y1, Y2, Y3, KW, W_PER, N0, N1, N2, N3,
+                  E0, E1, E2, sx_m, sw0, sw1, sw2, sw3, c0, c1, c2, c3, sy0, sy1, sy2, sy3, sk0, sk1, sk2, sk3,
                   NRM, n_nrm, s_nrm, n_mean, eps, PF, n_pf, one,
                   COUNT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                   EVEN: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ROW_NORM: tl.constexpr,
-                  PREFETCH: tl.constexpr, VEC: tl.constexpr, EXACT: tl.constexpr, XK: tl.constexpr):
+                  PREFETCH: tl.constexpr, VEC: tl.constexpr, EXACT: tl.constexpr, XK: tl.constexpr,
+                  FMT: tl.constexpr):
     """Programs [0, E0) serve weight 0, [E0, E1) weight 1, ... (as ``gemv._gemv_kernel``); W* are the
-    packed weights viewed as int32 ``[N, K/8]`` (row stride sw* in words), S* their float32 row scales,
-    X ``[ROWS, K]`` (row stride sx_m), Y* ``[ROWS, N]`` or float32 partials ``[P, ROWS, N]`` (sk*)."""
+    packed weights viewed as int32 ``[N, K/8]`` (row stride sw* in words); convrot_w4a4 (FMT 1): S*
+    their float32 row scales; nvfp4 (FMT 2): S* their swizzled E4M3 block scales as bytes (c* columns),
+    T* their float32 tensor scales. X ``[ROWS, K]`` (row stride sx_m), Y* ``[ROWS, N]`` or float32
+    partials ``[P, ROWS, N]`` (sk*). EXACT: no sum of x taken off (float32 x, or nvfp4)."""
     pid = tl.program_id(0)
     if pid < E0:
-        _tile4w(X, W0, S0, Y0, N0, KW, W_PER, sx_m, sw0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
+        _tile4w(X, W0, S0, T0, Y0, N0, KW, W_PER, sx_m, sw0, c0, sy0, sk0, pid, NRM, n_nrm, s_nrm, n_mean, eps,
+                one, ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK, FMT)
     elif COUNT > 1 and pid < E1:
-        _tile4w(X, W1, S1, Y1, N1, KW, W_PER, sx_m, sw1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
+        _tile4w(X, W1, S1, T1, Y1, N1, KW, W_PER, sx_m, sw1, c1, sy1, sk1, pid - E0, NRM, n_nrm, s_nrm, n_mean,
+                eps, one, ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK, FMT)
     elif COUNT > 2 and pid < E2:
-        _tile4w(X, W2, S2, Y2, N2, KW, W_PER, sx_m, sw2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
+        _tile4w(X, W2, S2, T2, Y2, N2, KW, W_PER, sx_m, sw2, c2, sy2, sk2, pid - E1, NRM, n_nrm, s_nrm, n_mean,
+                eps, one, ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK, FMT)
     elif COUNT > 3:
-        _tile4w(X, W3, S3, Y3, N3, KW, W_PER, sx_m, sw3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean, eps, one,
-                ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK)
+        _tile4w(X, W3, S3, T3, Y3, N3, KW, W_PER, sx_m, sw3, c3, sy3, sk3, pid - E2, NRM, n_nrm, s_nrm, n_mean,
+                eps, one, ROWS, BLOCK_N, BLOCK_W, EVEN, PTX, PDL, ROW_NORM, VEC, EXACT, XK, FMT)
     if PREFETCH:
         prefetch_share(PF, n_pf, 128)

@@ -203,32 +203,28 @@ WORD_ROWS = 8
 
 
 def gemv4_words(fmt: str, k: int, rows: int) -> bool:
-    """True where a 4-bit product runs ``gemv4w.py``'s word tile (convrot_w4a4, K a multiple of 8, at
-    most ``WORD_ROWS`` rows; the storage's alignment is checked by ``gemv4.gemv4_group``), else
-    ``gemv4.py``'s tensor-core tile."""
-    return fmt == "convrot_w4a4" and k % 8 == 0 and 1 <= rows <= WORD_ROWS
+    """True where a 4-bit product runs ``gemv4w.py``'s word tile (convrot_w4a4 or nvfp4, K a multiple
+    of 8, at most ``WORD_ROWS`` rows; the storage's alignment is checked by ``gemv4.gemv4_group``),
+    else ``gemv4.py``'s tensor-core tile."""
+    return fmt in ("convrot_w4a4", "nvfp4") and k % 8 == 0 and 1 <= rows <= WORD_ROWS
 
 
 def gemv4(n: int, k: int, fmt: str, rows: int, device, *, weights: int = 1,
           x_bytes: int = 2, words: bool | None = None) -> tuple[tuple[int, ...], int]:
     """(config, split) of a 4-bit GEMV launch: as ``gemv``. The word tile (``words``, default
-    ``gemv4_words``): the table's kind ``w4a4``, else ``fallback.gemv4w_config`` / ``gemv4w_split``;
-    config = (BLOCK_N, BLOCK_K in weight columns, warps, stages[, 1: vector loads]). The tensor-core
-    tile: kind ``nvfp4`` (a table's fifth value, K slices, is not used), else
+    ``gemv4_words``): the table's kind for the format (``GEMV4_KINDS``: ``w4a4`` / ``nvfp4``), else
+    ``fallback.gemv4w_config`` / ``gemv4w_split``; config = (BLOCK_N, BLOCK_K in weight columns,
+    warps, stages[, 1: vector loads]). The tensor-core tile (more rows, storage not on words):
     ``fallback.gemv4_config``; config = (BLOCK_N, BLOCK_K in weight columns, warps, stages)."""
     record = _record(device)
     if gemv4_words(fmt, k, rows) if words is None else words:
-        found = lookup("gemv", "w4a4", f"{n}x{k}", rows, record)
+        found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record)
         config = tuple(found["config"]) if "config" in found else fallback.gemv4w_config(n, k, rows)
         split = int(found["split"]) if "split" in found else \
             fallback.gemv4w_split(n, k, record, config[0], config[1])
         return config, split
-    found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record) if fmt == "nvfp4" else {}
-    config = tuple(found["config"])[:4] if "config" in found else \
-        fallback.gemv4_config(n, k, rows, record, weights, x_bytes, fmt)
-    split = int(found["split"]) if "split" in found else \
-        fallback.gemv_split(n, k, True, record, config[0], config[1])
-    return config, split
+    config = fallback.gemv4_config(n, k, rows, record, weights, x_bytes, fmt)
+    return config, fallback.gemv_split(n, k, True, record, config[0], config[1])
 
 
 def split_k(n: int, k: int, quant: bool, rows: int, device) -> int:

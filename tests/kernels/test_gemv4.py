@@ -112,25 +112,93 @@ class _Spy:
         return self.kernel[grid]
 
 
+@pytest.mark.parametrize("fmt", ["convrot_w4a4", "nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_word_tile_and_tensor_core_tile(rng, monkeypatch, dtype):
-    """convrot_w4a4 runs the word tile (``gemv4w.py``) for 1..8 rows of 4-byte aligned storage and the
+def test_word_tile_and_tensor_core_tile(rng, monkeypatch, dtype, fmt):
+    """Both formats run the word tile (``gemv4w.py``) for 1..8 rows of 4-byte aligned storage and the
     tensor-core tile for more rows or storage no word can be read from: both equal the reference."""
     from qwen35_fast.kernels import gemv4 as mod
 
     spy = _Spy(mod.gemv4w_kernel)
     monkeypatch.setattr(mod, "gemv4w_kernel", spy)
-    p, w = stored(rng, "convrot_w4a4", 48, 512, 256)
-    raw = torch.zeros(p.qdata.numel() + 1, dtype=torch.int8)
+    p, w = stored(rng, fmt, 48, 512, 256)
+    raw = torch.zeros(p.qdata.numel() + 1, dtype=p.qdata.dtype)
     shifted = raw[1:].view(p.qdata.shape)  # one byte off a word boundary
     shifted.copy_(p.qdata)
-    odd = Packed4(p.fmt, shifted, p.scale, None, p.n, p.k, p.convrot)
+    odd = Packed4(p.fmt, shifted, p.scale, p.block_scale, p.n, p.k, p.convrot)
     for rows, packed, words in ((1, p, 1), (8, p, 1), (9, p, 0), (16, p, 0), (2, odd, 0)):
         x = torch.randn(rows, 512, generator=rng).to(dtype)
         before = spy.launches
         out = gemv4(x, packed, config=CFG)
         assert spy.launches - before == words, (rows, words)
         assert rel(out, x.double() @ w.T) < tol(dtype), (rows, words)
+
+
+def _run_ptx(asm: str, word: int) -> list[int]:
+    """The 8 outputs of ``asm`` (``$8`` the input word) by a model of the PTX it uses: mov, shl, shr,
+    and, prmt (default mode: a byte of {b, a}, or its sign replicated when the selector's bit 3 is
+    set) and lop3 (the immediate as a truth table over a = 0xF0, b = 0xCC, c = 0xAA)."""
+    mask = 0xFFFFFFFF
+    regs = {"$8": word & mask}
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0) & mask
+
+    for stmt in asm.replace("{", ";").replace("}", ";").split(";"):
+        parts = stmt.strip().split(None, 1)
+        if not parts or parts[0].startswith("."):
+            continue
+        op, args = parts[0], [t.strip() for t in parts[1].split(",")]
+        d, src = args[0], [val(t) for t in args[1:]]
+        if op == "mov.b32":
+            r = src[0]
+        elif op == "shl.b32":
+            r = (src[0] << src[1]) & mask
+        elif op == "shr.b32":
+            r = src[0] >> src[1]
+        elif op == "and.b32":
+            r = src[0] & src[1]
+        elif op == "prmt.b32":
+            pool = src[0] | (src[1] << 32)
+            r = 0
+            for i in range(4):
+                sel = (src[2] >> (4 * i)) & 15
+                byte = (pool >> (8 * (sel & 7))) & 255
+                if sel & 8:
+                    byte = 255 if byte & 128 else 0
+                r |= byte << (8 * i)
+        elif op == "lop3.b32":
+            r = 0
+            for ia in (0, 1):
+                for ib in (0, 1):
+                    for ic in (0, 1):
+                        if (src[3] >> (4 * ia + 2 * ib + ic)) & 1:
+                            r |= (src[0] if ia else ~src[0]) & (src[1] if ib else ~src[1]) & \
+                                (src[2] if ic else ~src[2]) & mask
+        else:
+            raise AssertionError(f"unmodelled PTX {op}")
+        regs[d] = r
+    return [regs[f"${i}"] for i in range(8)]
+
+
+def test_e2m1_ptx_makes_every_code_by_column(rng):
+    """``gemv4w.E2M1_ASM`` (the nvfp4 word tile's unpack on NVIDIA GPUs), run by a model of its PTX
+    over words of random codes and over every code in every column: output j is the float32
+    140 + 2v of column j's code (kitchen's order: the even column in a byte's high nibble)."""
+    import struct
+
+    from qwen35_fast.kernels import gemv4w
+
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    value = e2m1 + [-v for v in e2m1]
+    words = torch.randint(0, 2**32, (200,), generator=rng, dtype=torch.int64).tolist()
+    words += [sum(c << (4 * j) for j in range(8)) for c in range(16)]
+    for word in words:
+        out = [struct.unpack("<f", struct.pack("<I", r))[0] for r in _run_ptx(gemv4w.E2M1_ASM.value, word)]
+        byte = [(word >> (8 * b)) & 255 for b in range(4)]
+        codes = [byte[j // 2] >> 4 if j % 2 == 0 else byte[j // 2] & 15 for j in range(8)]
+        assert out == [140 + 2 * value[c] for c in codes], hex(word)
 
 
 @triton.jit

@@ -60,5 +60,5 @@ def test_four_bit_entries_are_their_own_kind_and_fit(tmp_path):
         grid = tune.candidates4(4096, 4, shared, quick=False)
         assert grid and all(4 * max(1, st - 1) * (bn * bk // 2 + 32 * bk) <= shared and bk <= 512
                             for bn, bk, _, st in grid)
-    words = tune.candidates4(4096, 4, 99 * 1024, quick=False, kind="w4a4")  # no shared memory: any GPU
+    words = tune.candidates4(4096, 4, 99 * 1024, quick=False, words=True)  # no shared memory: any GPU
     assert words and all(len(c) == 5 and c[2] <= 2 and c[3] == 1 and c[4] in (0, 1) for c in words)
