@@ -113,9 +113,9 @@ def test_controller_settles_on_the_oracle_depth(acceptance, slope):
     share = late.count(want) / len(late)
     assert share > 0.8, (want, {k: late.count(k) for k in set(late)})
     assert controller.best() == want
-    if want == 0:  # settled within the probe window: plain within 4 cycles, then plain but for rare cycles
+    if want == 0:  # settled within the probe window: plain within 6 cycles, then plain but for rare cycles
         start = depths.index(0)
-        assert start <= 4 and depths[start:start + mtp_auto.FIRST_SEGMENT] == [0] * mtp_auto.FIRST_SEGMENT
+        assert start <= 6 and depths[start:start + mtp_auto.FIRST_SEGMENT] == [0] * mtp_auto.FIRST_SEGMENT
         assert share > 0.95
 
 
@@ -187,7 +187,7 @@ def test_auto_at_p0_settles_on_plain_steps(model, rng, stand_in):
     st = res.stats
     assert st.accepted == 0 and st.mtp_auto and st.mtp_depth == 5
     cycles = sum(n for k, n in st.mtp_depths.items() if k)
-    assert st.mtp_depths[0] >= 56 and cycles <= 5, st.mtp_depths  # 2 cycles to settle, then probes
+    assert st.mtp_depths[0] >= 56 and cycles <= 6, st.mtp_depths  # cycles until plain is HYSTERESIS_PLAIN ahead
     assert st.mtp_off and "rarely accepted" in st.mtp_off
 
 
@@ -245,7 +245,8 @@ def test_auto_with_the_real_head_and_real_timings(model, rng):
 
 def test_next_generation_starts_at_the_last_depth(model, rng, monkeypatch):
     """The cost book remembers the depth a generation ended at; the next one of the same model
-    starts there: drafting deep at once after a predictable text, plain at once after the opposite."""
+    starts there: drafting deep at once after a predictable text; after the opposite at depth 1
+    (never plain: a cycle observes the acceptance, a plain segment once), plain within a few cycles."""
     book = StandIn(0.2)
     monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: book)
     m, d = model
@@ -262,8 +263,8 @@ def test_next_generation_starts_at_the_last_depth(model, rng, monkeypatch):
     assert book.last_depth == 0
     later = _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=48)
     assert later.tokens == off.tokens
-    cycles = [sum(n for k, n in r.stats.mtp_depths.items() if k) for r in (plain, later)]
-    assert cycles[1] < cycles[0] and later.stats.mtp_depths[0] >= 40, (cycles, later.stats.mtp_depths)
+    assert 5 in plain.stats.mtp_depths and set(later.stats.mtp_depths) == {0, 1}, later.stats.mtp_depths
+    assert later.stats.mtp_depths[0] >= 40, later.stats.mtp_depths
 
 
 def test_a_new_depth_must_be_worth_its_capture():
@@ -295,7 +296,8 @@ def test_probes_stay_a_small_share_of_plain_time():
         costs.add(0, 0.004)
         costs.add(1, 0.0052)
     costs.add_capture(10.0)  # a capture no horizon repays: plain steps throughout
-    controller = DepthController(5, costs, start=0)
+    controller = DepthController(5, costs)
+    controller.depth = 0  # as after drafts rarely kept (a generation starts at depth 1 at least)
     assert controller.shortest_segment() == mtp_auto.FIRST_SEGMENT  # no probe timed yet
     costs.add_probe(0.012)
     assert controller.shortest_segment() == 150  # 0.012 / (0.02 * 0.004)
@@ -316,21 +318,26 @@ def test_the_last_generation_length_sets_the_horizon():
 
 
 def test_shadow_probes_bring_drafting_back(model, rng, monkeypatch):
-    """A generation that starts plain (the last one ended there) on a text whose drafts are all
-    right: the shadow drafts after the first segment match the next segment's tokens, and drafting
-    resumes after it, with no probe cycle; greedy stays exact."""
+    """A text whose drafts are wrong for its first 12 tokens and right after: the generation leaves
+    depth 1 for plain steps, the shadow drafts after the first segment match the next segment's
+    tokens, and drafting resumes after it, with no probe cycle; greedy stays exact. A generation
+    after one that ended plain starts at depth 1 and leaves it within a few cycles."""
     book = StandIn(0.2)
     book.last_depth = 0
     monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: book)
     m, d = model
-    prompt, off, res = _auto_against_off(model, rng, 1.0, 120)
+    prompt = torch.randn(5, d["hidden_size"], generator=rng)
+    off = _run(m, prompt, "off", n=120)
+    right = acceptance_hook(off.tokens, 1.0, vocab=d["vocab_size"])
+    wrong = acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"])
+    res = _run(m, prompt, "auto", lambda pos: wrong(pos) if pos < 12 else right(pos), n=120)
     st = res.stats
-    assert st.mtp_depths[0] == 2 * mtp_auto.FIRST_SEGMENT and st.mtp_depths.get(5, 0) >= 8, st.mtp_depths
-    assert st.mtp_acceptance[:2] == [1.0, 1.0]
+    assert res.tokens == off.tokens
+    assert st.mtp_depths[0] == 2 * mtp_auto.FIRST_SEGMENT and st.mtp_depths.get(5, 0) >= 6, st.mtp_depths
     book.last_depth = 0
-    wrong = _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=120)
-    cycles = sum(n for k, n in wrong.stats.mtp_depths.items() if k)
-    assert wrong.tokens == off.tokens and cycles <= 2, wrong.stats.mtp_depths  # the prior's one try at most
+    never = _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=120)
+    cycles = sum(n for k, n in never.stats.mtp_depths.items() if k)
+    assert never.tokens == off.tokens and cycles <= 6, never.stats.mtp_depths
 
 
 def test_a_segment_catch_up_in_chunks_equals_one_forward(model, rng, monkeypatch):
@@ -368,3 +375,17 @@ def test_a_segment_catch_up_in_chunks_equals_one_forward(model, rng, monkeypatch
     assert d1 == d2 and n1 == n2 == start + rows
     torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+def test_a_small_gain_keeps_drafting():
+    """The H100's costs (a cycle at depth k: 1 + 0.256 k plain steps, the 9B int8 file's fixed-depth
+    rows) and a first draft kept 35% of the time: depth 1 makes 7.5% more tokens a second than plain
+    steps. The estimate of a few kept drafts is noisy, and a controller that leaves for plain steps
+    at the first dip stays there (a plain segment observes the acceptance once); with
+    ``HYSTERESIS_PLAIN`` most of the tokens are drafted at depth 1 (over 10 seeds)."""
+    shares = []
+    for seed in range(10):
+        controller = DepthController(5, StandIn(0.256), start=1)
+        depths = simulate(controller, [0.35] * 5, 300, seed=seed)[:400]
+        shares.append(sum(k == 1 for k in depths) / len(depths))
+    assert sum(shares) / len(shares) > 0.6, shares
