@@ -119,7 +119,6 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
         cache_fill=cache_fill, cuda_graphs=cuda_graphs, fused=fused)
     backend = attention_backend(req.attention, binding.config, req.dtype, req.device)
     keep = req.cache_fill is None
-    before = held.allocated(req.device)
     runner = build_runner(binding, capacity=held.rounded_capacity(req.capacity) if keep else req.capacity,
                           dtype=req.dtype, device=req.device, attention=req.attention, mtp=req.mtp_depth > 0,
                           fused=req.fused, cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill,
@@ -132,7 +131,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     with torch.no_grad(), binding.holding_output_weight():
         result = _run(binding, runner, sampler, stats, req, callback)
         if keep:
-            held.rest(runner, held.allocated(req.device) - before if runner.stack_bytes is None else runner.stack_bytes)
+            nbytes = runner.stack_bytes
+            held.rest(runner, held.allocated(req.device) - runner.stack_base if nbytes is None else nbytes)
     return result
 
 

@@ -34,18 +34,18 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
 * **Switching**: to the best depth when it is ``HYSTERESIS`` better than the current one
   (``HYSTERESIS_PLAIN`` from drafting to plain steps, whose hidden states, probes and rare
   observations the rate leaves out; and, for a depth not yet run, worth its capture). At depth 0
-  the controller asks for a plain segment of ``segment_length()`` tokens; after it, ``shadow_depth()`` drafts are made by the MTP head
-  (no verify step, so no verify graph to capture) and compared with the next segment's first
-  tokens: the chance that a point-mass draft equals the token the model draws is the chance the
-  verify would accept it, so each comparison is an unbiased observation of the acceptance (drafts
-  sampled from the head, ``mtp_draft="sample"``, are scored the same way: an estimate, not exact). A
-  shadow probe with no draft kept doubles the segment (up to ``MAX_SEGMENT``), a kept one resets
-  it to the shortest segment, ``FIRST_SEGMENT`` tokens or as many as keep the probes' wall time
-  (``CycleCosts.probe``, the median of the last ones) within ``PROBE_SHARE`` of the plain steps'
-  (on an H100, drafts kept 30% of the time and a segment of 32 after each kept one left a 9B
-  generation that stayed plain at 0.90x MTP off). Every ``DEEPER_EVERY`` cycles at depth k < max
-  whose last drafts are mostly kept, one cycle runs at k + 1 when that is worth its capture (its
-  cost is then timed, not guessed).
+  the controller asks for a plain segment of ``segment_length()`` tokens; after it,
+  ``shadow_depth()`` drafts are made by the MTP head (no verify step, so no verify graph to
+  capture) and compared with the next segment's first tokens: the chance that a point-mass draft
+  equals the token the model draws is the chance the verify would accept it, so each comparison is
+  an unbiased observation of the acceptance (drafts sampled from the head, ``mtp_draft="sample"``,
+  are scored the same way: an estimate, not exact). A shadow probe with no draft kept doubles the
+  segment (up to ``MAX_SEGMENT``), a kept one resets it to the shortest segment, ``FIRST_SEGMENT``
+  tokens or as many as keep the probes' wall time (``CycleCosts.probe``, the median of the last
+  ones) within ``PROBE_SHARE`` of the plain steps' (on an H100, drafts kept 30% of the time and a
+  segment of 32 after each kept one left a 9B generation that stayed plain at 0.90x MTP off). Every
+  ``DEEPER_EVERY`` cycles at depth k < max whose last drafts are mostly kept, one cycle runs at k +
+  1 when that is worth its capture (its cost is then timed, not guessed).
 
 The choice depends on past acceptance and wall times only, never on a token being drawn, so the
 output distribution (and greedy's tokens) are those of any fixed depth.

@@ -133,6 +133,7 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
             kept.decode_path = kept.decode_base + " (kept from the last generation)"
             log.info("Qwen3.5 decode path: the last generation's (%s)", kept.decode_base)
             return kept
+    base = held.allocated(device)  # after a kept stack that no longer fits is freed
     cache = ModelCache(binding.config, batch=1, capacity=capacity, dtype=dtype, device=device, mtp=mtp,
                        fill=cache_fill)
     runner = Runner(binding, cache, dtype=dtype, device=device, attention=attention, fused=plan)
@@ -159,5 +160,5 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     out.decode_path = out.decode_base = (
         "Triton kernels" if plan is not None else f"module calls (no Triton kernels: {no_plan})") + (
         ", CUDA graphs" if graphs else f", no CUDA graphs ({blocker or 'cuda_graphs=False'})")
-    out.stack_key, out.stack_bytes = key, None
+    out.stack_key, out.stack_bytes, out.stack_base = key, None, base
     return out
