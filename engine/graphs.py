@@ -1,29 +1,28 @@
 """CUDA graphs for the decode step, the MTP draft step and the 1+depth verify step.
 
 ``GraphRunner`` wraps a ``forward.Runner`` and replays one captured graph per (kind, rows): the
-cache length lives on the device, so one graph serves every position; the ``*_logits`` steps
-capture the output projection too (an eager 248k-row product per draft held the GPU up while the
-host launched it), and ``main+token`` (the greedy step, ``Runner.forward_token``) the embedding
-of its input token and the argmax as well (``main+tokenh`` also returns the step's hidden
-states, for ``mtp="auto"``'s plain steps), and ``mtp+row`` (the MTP catch-up over a verify's rows,
-``speculative.catch_up``) the pick of its kept row on the device; the host bookkeeping the
-eager forward does (staged row counts, the DeltaNet per-row states) is re-applied after each
-replay. Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while
-the graph lives (a GraphRunner is kept between generations only while the model's weights stay
-where they were, ``engine/held.py``, and the next generation checks ``graph_blocker`` again):
-when a module still called in the step streams its weights in or patches them per call, lives off
-the GPU, or the attention backend is not graph-safe, ``graph_blocker`` names the reason and
-generation runs eagerly (said once). A module
-that casts a resident weight per call (ComfyUI's ``comfy_cast_weights``) is captured: the replay
-casts the same storage again. Without the fused kernels (no Triton) the whole module path is
-captured this way. A bucketed attention backend (``kernels.bucket_end``) reads a span fixed at
-capture, so its graphs are kept per (kind, rows, span). When a capture fails inside a module call of
-several rows over an int8 weight the hook reads in place (comfy-kitchen 0.2.24's int8 product of 2-8
-rows at K = 12288 cannot be captured on Hopper), that weight shape's several-row products go to
-``int8_rows`` (torch's int8 matmul on the same weights) and the capture is tried again; a step whose
-capture still fails runs eagerly from then on in this process, said once with the reason, while the
-other steps stay in graphs. A failed capture puts the CUDA random generator's state back (it would
-refuse every later draw otherwise). ``cuda_graphs=True``: the error propagates.
+cache length lives on the device, so one graph serves every position; the ``*_logits`` steps capture
+the output projection too (an eager 248k-row product per draft held the GPU up while the host
+launched it), and ``main+token`` (the greedy step, ``Runner.forward_token``) the embedding of its
+input token and the argmax as well (``main+tokenh`` also returns the step's hidden states, for
+``mtp="auto"``'s plain steps), and ``mtp+row`` (the MTP catch-up over a verify's rows,
+``speculative.catch_up``) the pick of its kept row on the device; the host bookkeeping the eager
+forward does (staged row counts, the DeltaNet per-row states) is re-applied after each replay.
+Prompts (many rows) always run eagerly. Graphs need weights that stay where they are while the graph
+lives (a GraphRunner is kept between generations only while the model's weights stay where they
+were, ``engine/held.py``, and the next generation checks ``graph_blocker`` again): when a module
+still called in the step streams its weights in or patches them per call, lives off the GPU, or the
+attention backend is not graph-safe, ``graph_blocker`` names the reason and generation runs eagerly
+(said once). A module that casts a resident weight per call (ComfyUI's ``comfy_cast_weights``) is
+captured: the replay casts the same storage again. Without the fused kernels (no Triton) the whole
+module path is captured this way. A bucketed attention backend (``kernels.bucket_end``) reads a span
+fixed at capture, so its graphs are kept per (kind, rows, span). When a capture fails inside a
+module call of several rows over an int8 weight the hook reads in place (comfy-kitchen 0.2.24's int8
+product of 2-8 rows at K = 12288 cannot be captured on Hopper), that weight shape's several-row
+products go to ``int8_rows`` (torch's int8 matmul on the same weights) and the capture is tried
+again; a step whose capture still fails runs eagerly from then on in this process, said once with
+the reason, while the other steps stay in graphs. A failed capture puts the CUDA random generator's
+state back (it would refuse every later draw otherwise). ``cuda_graphs=True``: the error propagates.
 """
 
 from __future__ import annotations
