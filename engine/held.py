@@ -6,7 +6,7 @@ under a second, so a stack built per generation spends a tenth of it capturing. 
 kept stack back when:
 
 * the request matches (``stack_key``: dtype, device, attention, fused / graph settings, the
-  model's modules and weight hooks), the kept cache has room (``capacity`` at least the
+  model's modules and weight hooks, inference mode), the kept cache has room (``capacity`` at least the
   request's: capacities are rounded up to ``CAPACITY_STEP`` slots so prompts of similar length
   share one) and, for MTP, the MTP head's cache (a stack with it serves MTP off too);
 * every module and every parameter / buffer of the model (the inner tensors of a wrapper such as
@@ -80,9 +80,10 @@ class _Kept:
 
 
 def stack_key(binding, *, dtype, device, attention: str, fused, cuda_graphs) -> tuple:
-    """What a kept stack must match besides capacity, the MTP cache and the weights."""
+    """What a kept stack must match besides capacity, the MTP cache and the weights; also whether
+    inference mode is on (ComfyUI runs nodes in it; its tensors refuse in-place updates outside)."""
     return (str(torch.device(device)), dtype, attention, fused, cuda_graphs, id(binding.transformer),
-            id(binding.mtp), binding.weight_cast, type(binding.weights))
+            id(binding.mtp), binding.weight_cast, type(binding.weights), torch.is_inference_mode_enabled())
 
 
 # ---------------------------------------------------------------------------------------- weights

@@ -64,6 +64,10 @@ def test_settings_or_a_moved_weight_build_a_new_stack(tmp_path, test_seed):
     _gen(model, _prompt(1), mtp="off")
     assert "kept" not in _gen(model, _prompt(1)).stats.decode_path  # MTP off's has no MTP cache
     assert "kept" not in _gen(model, _prompt(1), attention="torch").stats.decode_path
+    with torch.inference_mode():  # as ComfyUI runs nodes: its tensors refuse in-place updates outside it
+        _gen(model, _prompt(1))
+        assert "kept" in _gen(model, _prompt(2)).stats.decode_path
+    assert "kept" not in _gen(model, _prompt(2)).stats.decode_path
     lin = model.model.layers[1].mlp.up_proj
     lin.weight = torch.nn.Parameter(lin.weight.detach() * 1.5, requires_grad=False)  # a reload or a patch
     moved = _gen(model, _prompt(1))
