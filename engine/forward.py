@@ -42,6 +42,16 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def deltanet_constants(binding: Qwen35Binding, device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per DeltaNet layer index: ``(-exp(A_log), dt_bias)``, float32 on ``device`` (the step's gate terms)."""
+    out = {}
+    for i, layer in enumerate(binding.layers):
+        if binding.config.layer_types[i] == "linear_attention":
+            la = layer.linear_attn
+            out[i] = (-la.A_log.detach().to(device, torch.float32).exp(), la.dt_bias.detach().to(device, torch.float32))
+    return out
+
+
 class Runner:
     """Runs the bound model on a cache. One per generation (it caches per-device constants)."""
 
@@ -56,18 +66,13 @@ class Runner:
         self.attention = attention
         cfg = self.cfg
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved, self.device)
-        self._consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Module path: (N, K) of int8 weights whose several-row products ``int8_rows`` computes instead
         # of the module (``GraphRunner`` adds a shape whose module call failed a capture); the
         # module of the last call that raised; each module's int8 weight read in place, or None.
         self.int8_shapes: set[tuple[int, int]] = set()
         self.failed_module = None
         self._int8: dict[int, PlainLinear | None] = {}
-        for i, layer in enumerate(binding.layers):
-            if cfg.layer_types[i] == "linear_attention":
-                la = layer.linear_attn
-                neg_a = -la.A_log.detach().to(self.device, torch.float32).exp()
-                self._consts[i] = (neg_a, la.dt_bias.detach().to(self.device, torch.float32))
+        self._consts = deltanet_constants(binding, self.device)
 
     # ------------------------------------------------------------------ model
     def forward(self, x: torch.Tensor, pos: torch.Tensor, *, keep_rows: bool = True):

@@ -34,6 +34,8 @@ import weakref
 
 import torch
 
+from .forward import deltanet_constants
+
 log = logging.getLogger(__name__)
 
 #: Module attribute that holds a model's kept stack.
@@ -166,14 +168,11 @@ def _walk_tensors(obj) -> list[torch.Tensor]:
     return out
 
 
-def _plan_tensors(runner) -> list[torch.Tensor]:
+def _plan_tensors(plan, consts: dict) -> list[torch.Tensor]:
     """The tensors a build derives or reads, in build order: the fused plan's norms, convs,
-    projections, output, embedding and prefetch targets, and the runner's DeltaNet constants."""
-    inner = getattr(runner, "runner", runner)
-    plan = inner.fused
-    roots = [inner._consts]
-    if plan is not None:
-        roots = [plan.norms, plan.convs, plan.linears, plan.output, plan.embedding, plan.prefetch] + roots
+    projections, output, embedding and prefetch targets, and the DeltaNet constants."""
+    roots = [consts] if plan is None else \
+        [plan.norms, plan.convs, plan.linears, plan.output, plan.embedding, plan.prefetch, consts]
     return _walk_tensors(roots)
 
 
@@ -288,9 +287,8 @@ def _mismatch(kept: _Kept, binding, key: tuple, capacity: int, fresh_plan) -> st
     inner = getattr(kept.runner, "runner", kept.runner)
     if (inner.fused is None) != (fresh_plan is None):
         return "the fused kernels' plan changed"
-    probe = type(inner)(kept.runner.binding, kept.runner.cache, dtype=inner.dtype, device=inner.device,
-                        attention=inner.attention, fused=fresh_plan)
-    old, new = _plan_tensors(kept.runner), _plan_tensors(probe)
+    old = _plan_tensors(inner.fused, inner._consts)
+    new = _plan_tensors(fresh_plan, deltanet_constants(kept.runner.binding, inner.device))
     if len(old) != len(new) or (fresh_plan is not None and fresh_plan.describe() != inner.fused.describe()):
         return "the fused kernels' plan changed"
     copies = []
