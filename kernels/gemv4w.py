@@ -40,27 +40,30 @@ from .ptx import prefetch_share
 OFFSET = tl.constexpr(136.0)  # 128 from the exponent bits, 8 from the flipped sign bit
 
 
+def _as_floats(order) -> str:
+    """PTX making output j the float32 128 + byte b of register r, for (r, b) = ``order[j]``: prmt
+    puts the byte under the exponent byte 0x43 held in ``m`` (selector 0x7b44: bytes 4, 4, b, 7 of
+    {r, m})."""
+    return "\n    ".join(f"prmt.b32 ${j}, {r}, m, 0x7{b}44;" for j, (r, b) in enumerate(order))
+
+
+#: ``_nib8_ptx``'s PTX: 8 float32 136 + q from each int32 word, column order 0..7 (even columns in
+#: the low nibbles, ``lo``; odd ones in ``hi``).
+NIB8_ASM = tl.constexpr(f"""{{
+    .reg .b32 lo, hi, m;
+    lop3.b32 lo, $8, 0x0F0F0F0F, 0x08080808, 0x6a;
+    shr.b32 hi, $8, 4;
+    lop3.b32 hi, hi, 0x0F0F0F0F, 0x08080808, 0x6a;
+    mov.b32 m, 0x43000000;
+    {_as_floats([(r, b) for b in range(4) for r in ("lo", "hi")])}
+    }}""")
+
+
 @triton.jit
 def _nib8_ptx(wd):
-    # 8 float32 (136 + q) from each int32 word, column order 0..7: prmt puts byte b of lo / hi under
-    # the exponent byte 0x43 (selector 0x7b44: bytes 4, 4, b, 7 of {lo, m}).
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi, m;
-        lop3.b32 lo, $8, 0x0F0F0F0F, 0x08080808, 0x6a;
-        shr.b32 hi, $8, 4;
-        lop3.b32 hi, hi, 0x0F0F0F0F, 0x08080808, 0x6a;
-        mov.b32 m, 0x43000000;
-        prmt.b32 $0, lo, m, 0x7044;
-        prmt.b32 $1, hi, m, 0x7044;
-        prmt.b32 $2, lo, m, 0x7144;
-        prmt.b32 $3, hi, m, 0x7144;
-        prmt.b32 $4, lo, m, 0x7244;
-        prmt.b32 $5, hi, m, 0x7244;
-        prmt.b32 $6, lo, m, 0x7344;
-        prmt.b32 $7, hi, m, 0x7344;
-        }""",
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wd], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        asm=NIB8_ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[wd], dtype=(tl.float32,) * 8, is_pure=True,
+        pack=1)
 
 
 @triton.jit
@@ -120,7 +123,8 @@ SIGN_SEL = (0x9D8C, 0xBFAE)
 #: the high nibble of byte b, 8w + 2b + 1 in the low one), column order 0..7. Per 4 codes: the
 #: magnitudes (code & 7, nibble-spaced as prmt selectors want them) pick 12 + 2|v| and 12 - 2|v| from
 #: the byte tables, the sign bits become byte masks (prmt's sign-replicate mode over w and w << 4)
-#: that choose between them (lop3 0xD8: c ? b : a), and each byte goes under the exponent byte 0x43.
+#: that choose between them (lop3 0xD8: c ? b : a), and each byte goes under the exponent byte 0x43
+#: (the even column's byte second in each pair).
 E2M1_ASM = tl.constexpr(f"""{{
     .reg .b32 s, p, q, k, w4, lo, hi, m, tp0, tp1, tn0, tn1;
     mov.b32 tp0, {E2M1_POS[0]}; mov.b32 tp1, {E2M1_POS[1]};
@@ -138,14 +142,7 @@ E2M1_ASM = tl.constexpr(f"""{{
     prmt.b32 q, tn0, tn1, s;
     prmt.b32 k, $8, w4, {SIGN_SEL[1]};
     lop3.b32 hi, p, q, k, 0xD8;
-    prmt.b32 $0, lo, m, 0x7144;
-    prmt.b32 $1, lo, m, 0x7044;
-    prmt.b32 $2, lo, m, 0x7344;
-    prmt.b32 $3, lo, m, 0x7244;
-    prmt.b32 $4, hi, m, 0x7144;
-    prmt.b32 $5, hi, m, 0x7044;
-    prmt.b32 $6, hi, m, 0x7344;
-    prmt.b32 $7, hi, m, 0x7244;
+    {_as_floats([(r, b ^ 1) for r in ("lo", "hi") for b in range(4)])}
     }}""")
 
 
