@@ -81,11 +81,16 @@ def candidates(n: int, k: int, quant: bool, weights: int, shared: int, quick: bo
     return out
 
 
-def candidates4(k: int, weights: int, shared: int, quick: bool, words: bool = False) -> list[tuple[int, ...]]:
+def candidates4(k: int, weights: int, shared: int, quick: bool, words: bool = False,
+                mma: bool = False) -> list[tuple[int, ...]]:
     """4-bit launch configs to time (BLOCK_K in weight columns). ``words``: the word tile's (one or
     two warps, one stage, lanes on whole words or vector loads: ``gemv4w.py``, both formats at 1..8
-    rows); else the tensor-core tile's, BLOCK_K at most 512 (wider tiles spill)."""
+    rows), and with ``mma`` the tensor-core register tile's (``gemv4m.py``: 16 rows,
+    one or two chunks of 128 columns, 1..8 warps); else the tensor-core tile's, BLOCK_K at most 512
+    (wider tiles spill)."""
     out = []
+    if words and mma and k % 32 == 0:
+        out += [(16, bk, warps, 1, 2) for bk in (128, 256) for warps in ((2, 4, 8) if quick else (1, 2, 4, 8))]
     if words:
         for bn in (8, 16, 32) if quick else (4, 8, 16, 32):
             for bk in (256, 512, 1024):
@@ -147,7 +152,7 @@ def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) 
         if kind in FOUR_BIT:
             picked, picked_split = launch.gemv4(n, k, FOUR_BIT[kind], rows, record, weights=len(ns))
             words = launch.gemv4_words(FOUR_BIT[kind], k, rows)
-            grid = candidates4(k, len(ns), record.shared, quick, words)
+            grid = candidates4(k, len(ns), record.shared, quick, words, mma=True)
 
             def run(ws, cfg, p):
                 return gemv4_group(x, ws, rotate=False, config=cfg, split=p)

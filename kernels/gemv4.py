@@ -6,10 +6,12 @@ weights and their scales once. For bf16 / fp16 x the widening is integer work al
 are placed under a 16-bit float's exponent (``_nibbles16``, ``_e2m1_16``); convrot_w4a4's signed
 nibble q becomes OFFSET + q, and ``OFFSET * sum(x)`` leaves the float32 accumulator at the end.
 No repacking: the kernels read comfy-kitchen's ``QuantizedTensor`` storage as ComfyUI loaded it.
-Works wherever Triton runs (no INT4 / FP4 tensor cores needed). Two tiles: either format with K a
+Works wherever Triton runs (no INT4 / FP4 tensor cores needed). Three tiles: either format with K a
 multiple of 8, 4-byte aligned rows and 1..8 rows of x runs ``gemv4w.py``'s word tile on the FMA
-units (``launch.gemv4_words``); everything else (more rows, other storage) this module's
-tensor-core tile, x's dtype on the tensor cores as in ``gemv.py``.
+units (``launch.gemv4_words``), or, with bf16 / fp16 x where the launch config's fifth value is 2
+and ``_mma_fits``, ``gemv4m.py``'s register tile on the tensor cores (PTX ``mma.sync``); everything
+else (more rows, other storage) this module's tensor-core tile, x's
+dtype on the tensor cores as in ``gemv.py``.
 
 Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
 
@@ -37,10 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch
-from .capabilities import compiled
+from . import fallback, launch
+from .capabilities import compiled, device_record
 from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
 from .gemv import MAX_GEMV_ROWS, MAX_GROUP, _prefetch_args, _row_norm_args
+from .gemv4m import gemv4m_kernel
 from .gemv4w import _e2m1, _e4m3, gemv4w_kernel
 from .packed4 import FORMATS, Packed4, packed_reason, round_up
 from .pdl import launch_args, trigger, wait
@@ -207,8 +210,9 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     group), x ``[..., K]`` bf16/fp16/fp32 with at most 16 rows in all -> ``[..., N_i]`` in x's dtype
     (float32 accumulation). ``rotate=False``: x is already ConvRot-rotated in the weights' group
     (convrot_w4a4); else it is rotated here (one launch). ``config`` = (BLOCK_N, BLOCK_K, warps,
-    stages[, 1: the word tile's vector loads]) replaces the launch table's (BLOCK_K in weight
-    columns, a multiple of 32; the tensor-core tile needs BLOCK_N >= 16). ``split``,
+    stages[, 1: the word tile's vector loads; 2: the register tile where it fits, else the word
+    tile's own pick]) replaces the launch table's (BLOCK_K in weight columns, a multiple of 32; the
+    tensor-core tile needs BLOCK_N >= 16; the register tile 16 and 128 or 256). ``split``,
     ``row_norm``, ``prefetch`` / ``prefetch_bytes`` as ``gemv.gemv_group`` (split > 1: float32
     partials ``[P', ..., N_i]``). ValueError names what does not fit."""
     if split < 1:
@@ -233,8 +237,13 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     cfg = tuple(config) if config is not None else \
         launch.gemv4(sum(ns), k, first.fmt, m, x.device, weights=len(weights), x_bytes=x.element_size(),
                      words=words)[0]
+    mma = words and len(cfg) > 4 and cfg[4] == 2
+    if mma and not _mma_fits(x2, weights):  # the register tile cannot run here: the word tile's own pick
+        mma, cfg = False, fallback.gemv4w_config(sum(ns), k, m)
     block_n, block_k, warps, stages = cfg[:4]
-    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
+    if mma and (block_n != 16 or block_k not in (128, 256)):
+        raise ValueError(f"gemv4: config {cfg}: the register tile takes BLOCK_N 16 and BLOCK_K 128 or 256")
+    block_k = block_k if mma else max(32, min(block_k, triton.next_power_of_2(k)))
     if block_k % 32 or block_n < (1 if words else 16):
         raise ValueError(f"gemv4: config {cfg}: BLOCK_K must be a multiple of 32 and BLOCK_N at least "
                          f"{1 if words else 16}")
@@ -255,6 +264,14 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     ts = [p.scale.reshape(-1) for p in weights]
     cols = [p.block_scale.numel() // round_up(round_up(p.n, 16), 128) if nv else 0 for p in weights]
     ss, ts, cc = ss + [ss[0]] * pad, ts + [ts[0]] * pad, cols + [0] * pad
+    if mma:
+        ws = [p.qdata for p in weights] + [weights[0].qdata] * pad
+        gemv4m_kernel[(total, parts)](
+            x2, *ws, *ss, *ts, *ys, m, k, k_per, *nn, *ee, x2.stride(0), *(w.stride(0) for w in ws), *cc,
+            *(y.stride(-2) for y in ys), *(y.stride(0) if split > 1 else 0 for y in ys), *nrm[:5], *pf, 1,
+            COUNT=len(weights), WARPS=warps, CHUNKS=block_k // 128, XK=X_KIND[x.dtype], FMT=FMT[first.fmt],
+            ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, **launch_args(x.device), num_warps=warps, num_stages=1)
+        return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
     if words:
         ptx = compiled(x.device) and torch.version.hip is None
         ws = [p.qdata.view(torch.int32) for p in weights]
@@ -276,6 +293,17 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
         COUNT=len(weights), FMT=FMT[first.fmt], HALF16=X_KIND[x.dtype], BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_NORM=nrm[5], PREFETCH=pf[1] > 0, **common)
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
+
+
+def _mma_fits(x2: torch.Tensor, weights: list[Packed4]) -> bool:
+    """True where ``gemv4m.py``'s tile takes x2 ``[M, K]`` with ``weights``: bf16 / fp16 x, K a
+    multiple of 32, rows of x and weights on 16 bytes, Triton compiling for an NVIDIA GPU of
+    compute capability 8.0+."""
+    record = device_record(x2.device)
+    return (x2.dtype in (torch.bfloat16, torch.float16)
+            and x2.shape[1] % 32 == 0 and _x_aligned(x2) and compiled(x2.device) and torch.version.hip is None
+            and record is not None and record.arch >= 80
+            and all(p.qdata.data_ptr() % 16 == 0 and p.qdata.stride(0) % 16 == 0 for p in weights))
 
 
 def _x_aligned(x2: torch.Tensor) -> bool:

@@ -17,9 +17,10 @@ count or ``*`` (any; an exact count first):
 kernel         kind                 shape       fields
 =============  ===================  ==========  ==============================================
 ``gemv``       ``quant`` / float    ``NxK``     ``config`` [BLOCK_N, BLOCK_K, warps, stages(,
-               / ``w4a4`` /                     K slices)], ``split`` (K ranges, split-K); ``w4a4``:
-               ``nvfp4``                        the word tile (fifth value 1: vector loads);
-                                                ``nvfp4`` uses the first four
+               / ``w4a4`` /                     K slices)], ``split`` (K ranges, split-K); ``w4a4``
+               ``nvfp4``                        / ``nvfp4``: the word tile (fifth value 1: vector
+                                                loads; 2: the register tile ``gemv4m.py``,
+                                                BLOCK_N 16)
 ``deltanet``   ``rotate`` / plain   ``DKxDV``   ``blocks`` (value-column blocks), ``warps``
 ``attention``  ``d<D>``             ``g<G>``    ``splits``, ``BLOCK_N``, ``num_stages``,
                                                 ``num_warps``
@@ -74,7 +75,7 @@ def _gemv_config(v) -> bool:
 FIELDS = {
     "gemv": {"config": (_gemv_config, "[BLOCK_N (a power of two 1..1024), BLOCK_K (a power of two 16..1024), warps "
                                       "(a power of two 1..16), stages 1..8(, K slices: a power of two up to BLOCK_K "
-                                      "/ 16; w4a4: 0 or 1, vector loads)]"),
+                                      "/ 16; 4-bit: 0 or 1, vector loads, or 2, the register tile)]"),
              "split": _between(1, 64)},
     "deltanet": {"blocks": _pow2(1, 16), "warps": _pow2(1, 16)},
     "attention": {"splits": _between(1, 128), "BLOCK_N": _pow2(16, 256), "num_stages": _between(1, 8),

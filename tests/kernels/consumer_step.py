@@ -156,6 +156,10 @@ def _step(call, torch, gemv, launch, fused_ops, deltanet_step, attention_triton,
     normed = norm("input norm (deferred)", partials, True)
     row_norm = normed[-1] if normed else None
     lin("DeltaNet inputs", x, [(2 * HK * DK + HV * DV, H), (HV * DV, H), (HV, H), (HV, H)], row_norm=row_norm)
+    if fmt in FOUR_BIT and dt != torch.float32:  # the tensor-core register tile (``gemv4m.py``), both step widths
+        for cfg in ((16, 128, 4, 1, 2), (16, 256, 8, 1, 2)):
+            lin(f"DeltaNet inputs, register tile {cfg}", x, [(2 * HK * DK + HV * DV, H), (HV * DV, H), (HV, H),
+                                                             (HV, H)], row_norm=row_norm, config=cfg)
     c = 2 * HK * DK + HV * DV
     call(f"{tag}: DeltaNet step", lambda: deltanet_step.gated_delta_step(
         torch.zeros(1, rows, c, dtype=dt), torch.zeros(1, rows, HV * DV, dtype=dt), torch.zeros(1, rows, HV, dtype=dt),

@@ -164,6 +164,16 @@ def test_a_gemv_with_fewer_stages_than_picked_says_so(compiled, name):
             assert launch["stages"] == picked[3], (c["call"], picked, launch)
 
 
+def test_the_4bit_register_tile_compiles_for_a_consumer_gpu(compiled):
+    """The 4-bit tensor-core register tile (``gemv4m.py``: PTX ``mma.sync``, packed 16-bit FMAs,
+    cache-hinted vector loads) goes through ptxas for sm_89: both formats, both step widths, 1 and 4
+    rows."""
+    calls = [c for c in compiled["sm_89 4-bit"]["calls"] if "register tile" in c["call"]]
+    assert len(calls) == 8, [c["call"] for c in calls]
+    for c in calls:
+        assert c["error"] is None and [x["kernel"] for x in c["launches"]] == ["gemv4m_kernel"], c
+
+
 @pytest.mark.parametrize("name", list(GPUS))
 def test_the_int8_deltanet_inputs_run_as_picked_at_every_row_count(compiled, name):
     """The int8 file's largest grouped product (bf16 activations, ComfyUI's default) fits the GPU

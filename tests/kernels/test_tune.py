@@ -62,3 +62,6 @@ def test_four_bit_entries_are_their_own_kind_and_fit(tmp_path):
                             for bn, bk, _, st in grid)
     words = tune.candidates4(4096, 4, 99 * 1024, quick=False, words=True)  # no shared memory: any GPU
     assert words and all(len(c) == 5 and c[2] <= 2 and c[3] == 1 and c[4] in (0, 1) for c in words)
+    mma = set(tune.candidates4(4096, 4, 99 * 1024, quick=False, words=True, mma=True)) - set(words)
+    assert mma and all(c[0] == 16 and c[1] in (128, 256) and c[4] == 2 for c in mma)  # the register tile's
+    assert all(launch.FIELDS["gemv"]["config"][0](list(c)) for c in mma)  # a table may hold each
