@@ -6,6 +6,7 @@ from .binding import Qwen35Binding, bind
 from .config import Qwen35Config
 from .errors import Qwen35Error
 from .generation import GenerationResult, GenerationStats, generate
+from .modules import int8_head
 from .request import MTP_CHOICES, GenerationRequest, check_max_length, parse_mtp
 from .stack import build_runner
 from .standalone_loader import build_mtp_head, load_standalone
@@ -24,6 +25,7 @@ __all__ = [
     "build_runner",
     "check_max_length",
     "generate",
+    "int8_head",
     "load_standalone",
     "parse_mtp",
 ]

@@ -29,6 +29,49 @@ class Linear(nn.Linear):
         return F.linear(x, _cast(self.weight, x), _cast(self.bias, x))
 
 
+class Int8Linear(nn.Module):
+    """A bias-free Linear held as int8 rows: ``weight`` int8 ``[out, in]``, ``row_scale`` float32
+    ``[out]``; ``y = (x @ weight.T) * row_scale`` in x's dtype (the int8 values are exact in bf16 /
+    fp16, the scale is applied in float32). The fused path reads the same storage
+    (``plain_weights.int8_linear_record``: the int8 weight-only GEMV)."""
+
+    def __init__(self, weight: torch.Tensor, row_scale: torch.Tensor):
+        super().__init__()
+        if weight.dtype != torch.int8 or weight.dim() != 2 or row_scale.shape != weight.shape[:1] \
+                or row_scale.dtype != torch.float32:
+            raise ValueError(f"Int8Linear: int8 [out, in] rows and a float32 [out] scale, got {weight.dtype} "
+                             f"{tuple(weight.shape)} and {row_scale.dtype} {tuple(row_scale.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.row_scale = nn.Parameter(row_scale, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        """``linear`` (no bias) rounded to int8 rows, one scale per row (its largest magnitude / 127,
+        round half to even), on its device."""
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return cls(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight.to(device=x.device, dtype=x.dtype))
+        return (y.float() * self.row_scale.to(x.device)).to(x.dtype)
+
+
+def int8_head(head: nn.Module) -> int:
+    """Replace every bias-free ``Linear`` inside ``head`` (an MTP head) by its ``Int8Linear``, in place;
+    return the bytes saved."""
+    saved = 0
+    for parent in list(head.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.bias is None:
+                q = Int8Linear.from_linear(child)
+                saved += child.weight.numel() * child.weight.element_size() - q.weight.numel() - 4 * q.out_features
+                setattr(parent, name, q)
+    return saved
+
+
 class Embedding(nn.Embedding):
     """``nn.Embedding``; ids int64 ``[...]`` -> ``[..., H]`` in the weight's dtype (or ``out_dtype``)."""
 

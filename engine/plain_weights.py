@@ -171,6 +171,21 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
     return outs
 
 
+def int8_linear_record(module, device: torch.device) -> tuple[PlainLinear | None, str | None] | None:
+    """For an ``modules.Int8Linear``: its int8 rows and row scales as a ``PlainLinear`` (or ``(None,
+    why not)``); None for any other module. Both weight hooks ask this first: an Int8Linear whose
+    weight is no longer int8 (cast by someone) must not be read as a dense weight."""
+    scale = getattr(module, "row_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        return None
+    w = module.weight
+    if w.dtype != torch.int8 or scale.dtype != torch.float32:
+        return None, f"its int8 rows were cast to {w.dtype} / {scale.dtype}"
+    if w.device != device or scale.device != device:
+        return None, f"its int8 rows live on {w.device}, not {device}"
+    return PlainLinear(w.detach(), scale=scale.detach()), None
+
+
 class StandaloneWeights:
     """How the engine reads the weights of the module trees it builds itself (``engine.modules``):
     the default weight hook of ``bind``. The application layer that loaded a model in its own
@@ -180,6 +195,9 @@ class StandaloneWeights:
     def linear(self, module, device: torch.device, dtype: torch.dtype) -> tuple[PlainLinear | None, str | None]:
         """A Linear-like module's ``PlainLinear`` over its own storage, or ``(None, why not)``: then
         the module is called (it casts per call)."""
+        int8 = int8_linear_record(module, device)
+        if int8 is not None:
+            return int8
         w, b = getattr(module, "weight", None), getattr(module, "bias", None)
         if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 2:
             return None, f"{type(module).__name__} has no plain 2-D weight"

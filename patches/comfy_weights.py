@@ -30,7 +30,7 @@ import torch
 
 from ..engine import held
 from ..engine.errors import exception_line
-from ..engine.plain_weights import PlainLinear, StandaloneWeights
+from ..engine.plain_weights import PlainLinear, StandaloneWeights, int8_linear_record
 from ..kernels import say_once
 from ..kernels.capabilities import fp8_reason
 from ..kernels.convrot import convrot_group_ok
@@ -239,6 +239,9 @@ class Resolver:
         why = per_call_work(module)
         if why is not None:
             return None, why
+        int8 = int8_linear_record(module, device)
+        if int8 is not None:  # the pack's own int8 MTP head (``mtp_graft``)
+            return int8
         w, b = getattr(module, "weight", None), getattr(module, "bias", None)
         if not isinstance(w, torch.Tensor):
             return None, "it has no weight tensor"

@@ -11,6 +11,7 @@ top-k is off.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -282,3 +283,19 @@ def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt,
               attention="torch", cuda_graphs=False)
     fused = generate(model, emb, **BIND, fused=True, **kw)
     assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens
+    # the pack's MTP head grafted beside these 4-bit weights is held as int8 rows, read in place, and
+    # drafting through it leaves the tokens as they are (beside a 16-bit model it stays as it is)
+    from qwen35_fast.engine.modules import Int8Linear
+    from qwen35_fast.patches.mtp_graft import four_bit, graft_mtp
+
+    assert four_bit(model) and not four_bit(_comfy_model(comfy, tiny, d))
+    qwen = SimpleNamespace(transformer=model, process_tokens=None)
+    graft_mtp(SimpleNamespace(cond_stage_model=SimpleNamespace(clip="qwen", qwen=qwen), patcher=None),
+              {k: v for k, v in add_mtp(tiny, d, 4, noise=0.02, norm_spread=0.05).items() if k.startswith("mtp.")})
+    lins = [m for m in model.model.mtp.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    assert len(lins) == 8 and all(isinstance(m, Int8Linear) and m.weight.device.type == device for m in lins)
+    plan, why = FusedPlan.build(bind(model, **BIND), device, torch.float32)
+    assert all(plan.linears[id(m)].weight.dtype == torch.int8 for m in lins), why
+    kw["mtp"] = 3
+    assert generate(model, emb, **BIND, fused=True, **kw).tokens == fused.tokens
+    assert generate(model, emb, **BIND, fused=False, **kw).tokens == fused.tokens

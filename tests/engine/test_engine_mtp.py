@@ -45,6 +45,36 @@ def test_greedy_mtp_equals_plain_greedy(mtp_model, rng, depth):
     assert 0 < accepted < drafted
 
 
+def test_int8_head_reads_in_place_and_stays_exact(mtp_model, rng):
+    """The MTP head held as int8 rows (``engine.int8_head``, as the pack keeps it beside a 4-bit model):
+    every projection within half a step of its row scale of the float weight, read in place by the
+    fused path as int8 rows, drafts still kept, and greedy tokens equal MTP off, fused and not."""
+    from qwen35_fast.engine import int8_head
+    from qwen35_fast.engine.fused import FusedPlan
+    from qwen35_fast.engine.modules import Int8Linear
+
+    model, _, d = mtp_model
+    head = bind(model).mtp
+    floats = {n: m.weight.detach().double() for n, m in head.named_modules() if isinstance(m, torch.nn.Linear)}
+    prompt = torch.randn(7, d["hidden_size"], generator=rng)
+    plain = generate(model, prompt, do_sample=False, max_length=24, mtp="off", stop_tokens=[], fused=False)
+    assert int8_head(head) == sum(3 * w.numel() - 4 * w.shape[0] for w in floats.values())  # float32 -> int8 + scales
+    assert len(floats) == 8  # fc, q/k/v/o, gate/up/down
+    for name, w in floats.items():
+        q = head.get_submodule(name)
+        assert isinstance(q, Int8Linear) and q.weight.dtype == torch.int8
+        step = q.row_scale.double()[:, None]
+        assert ((q.weight.double() * step - w).abs() <= step / 2 + 1e-9).all(), name
+    plan, why = FusedPlan.build(bind(model), "cpu", torch.float32)
+    assert why is None
+    for name in floats:
+        rec = plan.linears[id(head.get_submodule(name))]
+        assert rec.weight.dtype == torch.int8 and rec.weight.data_ptr() == head.get_submodule(name).weight.data_ptr()
+    for fused in (False, True):
+        spec = generate(model, prompt, do_sample=False, max_length=24, mtp=3, stop_tokens=[], fused=fused)
+        assert spec.tokens == plain.tokens and spec.stats.accepted > 0, fused
+
+
 def test_greedy_mtp_with_stop_token_and_prenorm(mtp_model, rng):
     model, _, d = mtp_model
     prompt = torch.randn(6, d["hidden_size"], generator=rng)
