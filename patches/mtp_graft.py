@@ -6,8 +6,9 @@ with the engine and attaches it as ``mtp`` of the decoder module tree, where the
 looks for it. Newer ComfyUI builds its own head (``Qwen35.mtp``, with ComfyUI's ops, used by core's
 MTP loop): the binding finds it there, and a chosen head file is loaded into that module
 (``replace_core_head``) rather than grafted beside it. The files are never rewritten. Beside a 4-bit
-model (``four_bit``) the grafted head's projections are held as int8 rows, one scale per row
-(``engine.modules.Int8Linear``): 0.24 GB instead of 0.49 on the 9B, and fewer bytes per draft.
+model (``four_bit``), where Triton runs, the grafted head's projections are held as int8 rows, one
+scale per row (``engine.modules.Int8Linear``): 0.24 GB instead of 0.49 on the 9B, and fewer bytes
+per draft.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from collections.abc import Iterable
 
 from ..engine import Qwen35Error, bind, build_mtp_head, int8_head
+from ..kernels.capabilities import triton_module
 from . import comfy_bridge as bridge
 from .comfy_weights import W4_LAYOUTS
 
@@ -214,9 +216,14 @@ def graft_mtp(clip, tensors: dict, *, source: str = "") -> int:
             "Qwen/Qwen3.5-9B).") from exc
     n = sum(p.numel() for p in head.parameters())
     if four_bit(target.model):
-        saved = int8_head(head)
-        log.info("Qwen3.5 MTP head held as int8 rows beside the 4-bit model (%.2f GB less; it only drafts, so "
-                 "the drafts' acceptance may change, the output never does)", saved / 1e9)
+        why = triton_module("gemv")[1]
+        if why is None:
+            saved = int8_head(head)
+            log.info("Qwen3.5 MTP head held as int8 rows beside the 4-bit model (%.2f GB less; it only drafts, "
+                     "so the drafts' acceptance may change, the output never does)", saved / 1e9)
+        else:  # its module call would widen every weight per draft: more bytes than the 16-bit head
+            log.info("Qwen3.5 MTP head kept in %s beside the 4-bit model: int8 rows are read in place only by "
+                     "the Triton kernels (%s)", dtype, why)
     target.model.mtp = head
     log.info("Qwen3.5 MTP head grafted from %s (%.1f M parameters)", source or "memory", n / 1e6)
     return n
@@ -224,7 +231,8 @@ def graft_mtp(clip, tensors: dict, *, source: str = "") -> int:
 
 def four_bit(model) -> bool:
     """True when any projection of ``model`` holds ComfyUI 4-bit weights (convrot_w4a4 / nvfp4): the
-    grafted MTP head is then kept as int8 rows (``engine.modules.Int8Linear``), half its bf16 bytes."""
+    grafted MTP head is then kept as int8 rows (``engine.modules.Int8Linear``), half its bf16 bytes,
+    where the Triton kernels that read them in place import."""
     return any(getattr(getattr(m, "weight", None), "_layout_cls", None) in W4_LAYOUTS for m in model.modules())
 
 

@@ -284,14 +284,22 @@ def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt,
     fused = generate(model, emb, **BIND, fused=True, **kw)
     assert fused.tokens == generate(model, emb, **BIND, fused=False, **kw).tokens
     # the pack's MTP head grafted beside these 4-bit weights is held as int8 rows, read in place, and
-    # drafting through it leaves the tokens as they are (beside a 16-bit model it stays as it is)
+    # drafting through it leaves the tokens as they are (beside a 16-bit model, or without the Triton
+    # kernels, it stays as the file holds it)
     from qwen35_fast.engine.modules import Int8Linear
+    from qwen35_fast.patches import mtp_graft
     from qwen35_fast.patches.mtp_graft import four_bit, graft_mtp
 
     assert four_bit(model) and not four_bit(_comfy_model(comfy, tiny, d))
-    qwen = SimpleNamespace(transformer=model, process_tokens=None)
-    graft_mtp(SimpleNamespace(cond_stage_model=SimpleNamespace(clip="qwen", qwen=qwen), patcher=None),
-              {k: v for k, v in add_mtp(tiny, d, 4, noise=0.02, norm_spread=0.05).items() if k.startswith("mtp.")})
+    clip = SimpleNamespace(cond_stage_model=SimpleNamespace(clip="qwen", qwen=SimpleNamespace(
+        transformer=model, process_tokens=None)), patcher=None)
+    head = {k: v for k, v in add_mtp(tiny, d, 4, noise=0.02, norm_spread=0.05).items() if k.startswith("mtp.")}
+    real = mtp_graft.triton_module
+    monkeypatch.setattr(mtp_graft, "triton_module", lambda name: (None, "no Triton here"))
+    graft_mtp(clip, head)  # without the kernels that read int8 rows in place: as the file holds it
+    assert not any(isinstance(m, Int8Linear) for m in model.model.mtp.modules())
+    monkeypatch.setattr(mtp_graft, "triton_module", real)
+    graft_mtp(clip, head)
     lins = [m for m in model.model.mtp.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
     assert len(lins) == 8 and all(isinstance(m, Int8Linear) and m.weight.device.type == device for m in lins)
     plan, why = FusedPlan.build(bind(model, **BIND), device, torch.float32)
