@@ -172,7 +172,7 @@ def linear_group(x: torch.Tensor, weights: Sequence[PlainLinear], *,
 
 
 def int8_linear_record(module, device: torch.device) -> tuple[PlainLinear | None, str | None] | None:
-    """For an ``modules.Int8Linear``: its int8 rows and row scales as a ``PlainLinear`` (or ``(None,
+    """For a ``modules.Int8Linear``: its int8 rows and row scales as a ``PlainLinear`` (or ``(None,
     why not)``); None for any other module. Both weight hooks ask this first: an Int8Linear whose
     weight is no longer int8 (cast by someone) must not be read as a dense weight."""
     scale = getattr(module, "row_scale", None)

@@ -10,8 +10,8 @@ Works wherever Triton runs (no INT4 / FP4 tensor cores needed). Three tiles: eit
 multiple of 8, 4-byte aligned rows and 1..8 rows of x runs ``gemv4w.py``'s word tile on the FMA
 units (``launch.gemv4_words``), or, with bf16 / fp16 x where the launch config's fifth value is 2
 and ``_mma_fits``, ``gemv4m.py``'s register tile on the tensor cores (PTX ``mma.sync``); everything
-else (more rows, other storage) this module's tensor-core tile, x's
-dtype on the tensor cores as in ``gemv.py``.
+else (more rows, other storage) this module's tensor-core tile, x's dtype on the tensor cores as in
+``gemv.py``.
 
 Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
 

@@ -24,7 +24,8 @@ MASK = 0xFFFFFFFF
 
 
 class Memory:
-    """Bytes at addresses: ``add(tensor)`` places a tensor's storage and returns its base address."""
+    """Bytes at addresses: ``add(tensor)`` places a copy of a tensor's elements, row-major, and returns its
+    base address."""
 
     def __init__(self):
         self.blocks: list[tuple[int, bytes]] = []

@@ -1,5 +1,5 @@
-"""The tensor-core register tile of convrot_w4a4 (``kernels/gemv4m.py``) against float64 products with
-the weight as ComfyUI dequantizes the same stored tensors (comfy-kitchen's quantizer and layout).
+"""The 4-bit tensor-core register tile (``kernels/gemv4m.py``: convrot_w4a4, nvfp4) against float64 products
+with the weight as ComfyUI dequantizes the same stored tensors (comfy-kitchen's quantizers and layouts).
 
 No CPU runs its PTX, so on the CPU the tile's PTX block (``gemv4m.mma_asm``, the loads, the unpack
 and the MMAs) runs lane by lane on a model of the PTX ISA (``ptx_warp.py``, whose MMA fragment
