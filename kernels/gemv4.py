@@ -44,7 +44,7 @@ from .capabilities import compiled, device_record
 from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
 from .gemv import MAX_GEMV_ROWS, MAX_GROUP, _prefetch_args, _row_norm_args
 from .gemv4m import gemv4m_kernel
-from .gemv4w import _e2m1, _e4m3, gemv4w_kernel
+from .gemv4w import _e2m1, _e4m3, gemv4w_kernel, swizzled
 from .packed4 import FORMATS, Packed4, packed_reason, round_up
 from .pdl import launch_args, trigger, wait
 from .ptx import prefetch_share
@@ -134,8 +134,7 @@ def _tile4(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, N
             b = b & 255
             blk = k0 // 16 + tl.arange(0, HALF // 8)
             r = offs_n[:, None]
-            s_off = ((r >> 7) * (s_cols // 4) + (blk[None, :] >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 \
-                + (blk[None, :] & 3)
+            s_off = swizzled(r, blk[None, :], s_cols)
             sb = tl.load(S + s_off, mask=n_ok[:, None] & (blk < s_cols)[None, :], other=0).to(tl.int32) & 255
             sc = tl.reshape(tl.broadcast_to(_e4m3(sb)[:, :, None], (BLOCK_N, HALF // 8, 8)), (BLOCK_N, HALF))
             if HALF16 > 0:  # code and scale exact in x's dtype, and so is their product (<= 6 bits)
@@ -233,7 +232,7 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     m = x2.shape[0]
     nrm = _row_norm_args(row_norm, x, m) if row_norm is not None else (x2, 0, 0, 1, 0.0, 0)
     ns = [p.n for p in weights]
-    words = launch.gemv4_words(first.fmt, k, m) and all(_word_aligned(p.qdata) for p in weights)
+    words = launch.gemv4_words(first.fmt, k, m) and all(_rows_aligned(p.qdata, 4) for p in weights)
     cfg = tuple(config) if config is not None else \
         launch.gemv4(sum(ns), k, first.fmt, m, x.device, weights=len(weights), x_bytes=x.element_size(),
                      words=words)[0]
@@ -303,7 +302,7 @@ def _mma_fits(x2: torch.Tensor, weights: list[Packed4]) -> bool:
     return (x2.dtype in (torch.bfloat16, torch.float16)
             and x2.shape[1] % 32 == 0 and _x_aligned(x2) and compiled(x2.device) and torch.version.hip is None
             and record is not None and record.arch >= 80
-            and all(p.qdata.data_ptr() % 16 == 0 and p.qdata.stride(0) % 16 == 0 for p in weights))
+            and all(_rows_aligned(p.qdata, 16) for p in weights))
 
 
 def _x_aligned(x2: torch.Tensor) -> bool:
@@ -311,9 +310,10 @@ def _x_aligned(x2: torch.Tensor) -> bool:
     return x2.data_ptr() % 16 == 0 and (x2.stride(0) * x2.element_size()) % 16 == 0 and x2.stride(-1) == 1
 
 
-def _word_aligned(q: torch.Tensor) -> bool:
-    """True where ``q``'s rows can be read as 32-bit words (``gemv4w.py``): 4-byte aligned rows."""
-    return q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0 and q.shape[-1] % 4 == 0
+def _rows_aligned(q: torch.Tensor, nbytes: int) -> bool:
+    """True where every row of the packed bytes ``q`` starts on ``nbytes`` and holds whole units of
+    them: 4 for ``gemv4w.py``'s 32-bit words, 16 for ``gemv4m.py``'s vector loads."""
+    return q.data_ptr() % nbytes == 0 and q.stride(0) % nbytes == 0 and q.shape[-1] % nbytes == 0
 
 
 def gemv4(x: torch.Tensor, p: Packed4, *, rotate: bool = True, config: tuple[int, ...] | None = None,

@@ -19,7 +19,7 @@ and (2t + 8, 2t + 9) (``mma_asm``), x's B registers the same columns.
 
 A code becomes its 16-bit float by integer work alone: convrot_w4a4's ``(w & 0x0F0F0F0F) ^
 0x08080808`` (and the same of ``w >> 4``) is q + 8 in the bytes of the even (odd) columns; nvfp4's
-E2M1 codes become bytes 12 + 2v by byte-table permutes (``gemv4w.E2M1_ASM``'s). A byte permute puts
+E2M1 codes become bytes 12 + 2v by byte-table permutes (``ptx.e2m1_bytes``). A byte permute puts
 two bytes under the exponent byte 0x43 (bf16: 128 + byte) or 0x64 (fp16: 1024 + byte), and one
 packed FMA takes the offset off, exactly; nvfp4's 2v is then multiplied by its block's E4M3 scale
 (exact: at most 6 significant bits). Products and sums are float32 on the tensor cores. The per-row
@@ -37,9 +37,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv4w import E2M1_NEG, E2M1_POS, SIGN_SEL, _e4m3
+from .gemv4w import _e4m3, swizzled
 from .pdl import trigger, wait
-from .ptx import prefetch_share
+from .ptx import E2M1_REGS, E2M1_TABLES, e2m1_bytes, nibble_bytes, prefetch_share
 
 #: 16-bit float kind of x (``gemv4.X_KIND``) -> (PTX type, exponent byte, 1.0 twice)
 HALF = {2: ("bf16", 0x43, 0x3F803F80), 1: ("f16", 0x64, 0x3C003C00)}
@@ -48,23 +48,6 @@ HALF = {2: ("bf16", 0x43, 0x3F803F80), 1: ("f16", 0x64, 0x3C003C00)}
 OFFSET = {(2, 1): 0xC308C308, (1, 1): 0xE408E408, (2, 2): 0xC30CC30C, (1, 2): 0xE40CE40C}
 #: columns of a row one lane reads per chunk, and the warp's 4 lanes along K together
 LANE_COLS, CHUNK_COLS = tl.constexpr(32), tl.constexpr(128)
-
-
-def _w4a4_pairs(w: str, lo: str, hi: str) -> list[str]:
-    # q + 8 of the even columns of word w in the bytes of lo, of the odd ones in hi
-    return [f"lop3.b32 {lo}, {w}, 0x0F0F0F0F, 0x08080808, 0x6a;", f"shr.b32 {hi}, {w}, 4;",
-            f"lop3.b32 {hi}, {hi}, 0x0F0F0F0F, 0x08080808, 0x6a;"]
-
-
-def _e2m1_pairs(w: str, lo: str, hi: str) -> list[str]:
-    # 12 + 2v of columns 1, 0, 3, 2 of word w in the bytes of lo, of 5, 4, 7, 6 in hi (``gemv4w.E2M1_ASM``)
-    out = [f"shl.b32 w4, {w}, 4;", f"and.b32 s, {w}, 0x7777;"]
-    for reg, sel, shift in ((lo, SIGN_SEL[0], False), (hi, SIGN_SEL[1], True)):
-        if shift:
-            out += [f"shr.b32 s, {w}, 16;", "and.b32 s, s, 0x7777;"]
-        out += ["prmt.b32 p, tp0, tp1, s;", "prmt.b32 q, tn0, tn1, s;", f"prmt.b32 k, {w}, w4, {sel:#x};",
-                f"lop3.b32 {reg}, p, q, k, 0xD8;"]
-    return out
 
 
 def mma_asm(xk: int, fmt: int = 1) -> str:
@@ -91,19 +74,17 @@ def mma_asm(xk: int, fmt: int = 1) -> str:
     out += [f"@rx ld.global.v4.b32 {{xr{4 * j}, xr{4 * j + 1}, xr{4 * j + 2}, xr{4 * j + 3}}}, [$6+{16 * j}];"
             for j in range(4)]
     if fmt == 2:
-        out += [".reg .b32 s, p, q, k, w4, tp0, tp1, tn0, tn1;",
-                f"mov.b32 tp0, {E2M1_POS[0]:#x}; mov.b32 tp1, {E2M1_POS[1]:#x};",
-                f"mov.b32 tn0, {E2M1_NEG[0]:#x}; mov.b32 tn1, {E2M1_NEG[1]:#x};"]
+        out += [E2M1_REGS, *E2M1_TABLES]
     for i in range(4):
         xs = [f"xr{4 * i + j}" for j in range(4)]  # x columns (8i + 0, 1), (2, 3), (4, 5), (6, 7) of the lane's
         if fmt == 1:  # pairs (0, 2) | (4, 6), then (1, 3) | (5, 7); x paired the same way
-            out += _w4a4_pairs(f"wa{i}", "la", "ha") + _w4a4_pairs(f"wb{i}", "lb", "hb")
+            out += nibble_bytes(f"wa{i}", "la", "ha") + nibble_bytes(f"wb{i}", "lb", "hb")
             halves = (("la", "lb", "0x4140", "0x4342", f"prmt.b32 b0, {xs[0]}, {xs[1]}, 0x5410;",
                        f"prmt.b32 b1, {xs[2]}, {xs[3]}, 0x5410;"),
                       ("ha", "hb", "0x4140", "0x4342", f"prmt.b32 b0, {xs[0]}, {xs[1]}, 0x7632;",
                        f"prmt.b32 b1, {xs[2]}, {xs[3]}, 0x7632;"))
         else:  # pairs (0, 1) | (2, 3), then (4, 5) | (6, 7): x's registers as loaded
-            out += _e2m1_pairs(f"wa{i}", "la", "ha") + _e2m1_pairs(f"wb{i}", "lb", "hb")
+            out += e2m1_bytes(f"wa{i}", "la", "ha") + e2m1_bytes(f"wb{i}", "lb", "hb")
             halves = (("la", "lb", "0x4041", "0x4243", f"mov.b32 b0, {xs[0]};", f"mov.b32 b1, {xs[1]};"),
                       ("ha", "hb", "0x4041", "0x4243", f"mov.b32 b0, {xs[2]};", f"mov.b32 b1, {xs[3]};"))
         for ra_, rb_, s_lo, s_hi, b0, b1 in halves:
@@ -150,8 +131,8 @@ def _chunk(d0, d1, d2, d3, pa, pb, px, oka, okb, okx, left, S, ra, rb, col, s_co
     else:  # the lane's two 16-column blocks, swizzled as gemv4._tile4's
         blk = col // 16
         ok = left > 0
-        sa = ((ra >> 7) * (s_cols // 4) + (blk >> 2)) * 512 + (ra & 31) * 16 + ((ra >> 5) & 3) * 4 + (blk & 3)
-        sb = ((rb >> 7) * (s_cols // 4) + (blk >> 2)) * 512 + (rb & 31) * 16 + ((rb >> 5) & 3) * 4 + (blk & 3)
+        sa = swizzled(ra, blk, s_cols)
+        sb = swizzled(rb, blk, s_cols)
         a0 = _half2(tl.load(S + sa, mask=ok, other=0), XK)
         a1 = _half2(tl.load(S + sa + 1, mask=ok, other=0), XK)
         b0 = _half2(tl.load(S + sb, mask=ok, other=0), XK)

@@ -35,28 +35,26 @@ import triton
 import triton.language as tl
 
 from .pdl import trigger, wait
-from .ptx import prefetch_share
+from .ptx import E2M1_TABLES, e2m1_bytes, nibble_bytes, prefetch_share
 
 OFFSET = tl.constexpr(136.0)  # 128 from the exponent bits, 8 from the flipped sign bit
 
 
-def _as_floats(order) -> str:
+def _as_floats(order) -> list[str]:
     """PTX making output j the float32 128 + byte b of register r, for (r, b) = ``order[j]``: prmt
     puts the byte under the exponent byte 0x43 held in ``m`` (selector 0x7b44: bytes 4, 4, b, 7 of
     {r, m})."""
-    return "\n    ".join(f"prmt.b32 ${j}, {r}, m, 0x7{b}44;" for j, (r, b) in enumerate(order))
+    return [f"prmt.b32 ${j}, {r}, m, 0x7{b}44;" for j, (r, b) in enumerate(order)]
+
+
+def _block(lines: list[str]) -> str:
+    return "{\n    " + "\n    ".join(lines) + "\n    }"
 
 
 #: ``_nib8_ptx``'s PTX: 8 float32 136 + q from each int32 word, column order 0..7 (even columns in
 #: the low nibbles, ``lo``; odd ones in ``hi``).
-NIB8_ASM = tl.constexpr(f"""{{
-    .reg .b32 lo, hi, m;
-    lop3.b32 lo, $8, 0x0F0F0F0F, 0x08080808, 0x6a;
-    shr.b32 hi, $8, 4;
-    lop3.b32 hi, hi, 0x0F0F0F0F, 0x08080808, 0x6a;
-    mov.b32 m, 0x43000000;
-    {_as_floats([(r, b) for b in range(4) for r in ("lo", "hi")])}
-    }}""")
+NIB8_ASM = tl.constexpr(_block([".reg .b32 lo, hi, m;", *nibble_bytes("$8", "lo", "hi"), "mov.b32 m, 0x43000000;",
+                                 *_as_floats([(r, b) for b in range(4) for r in ("lo", "hi")])]))
 
 
 @triton.jit
@@ -112,38 +110,19 @@ def _e4m3(b):
     return tl.where((b & 128) != 0, -v, v)
 
 
-#: nvfp4 byte tables of ``_e2m1_8_ptx``: 12 + 2v for the magnitude codes 0..7, positive and negative
-#: (two 32-bit registers each, byte i = code i), and the byte permutes of the sign masks.
-E2M1_POS = (0x0F0E0D0C, 0x18141210)
-E2M1_NEG = (0x090A0B0C, 0x00040608)
-SIGN_SEL = (0x9D8C, 0xBFAE)
-
-
 #: ``_e2m1_8_ptx``'s PTX: 8 float32 140 + 2v from each int32 word of E2M1 codes (column 8w + 2b in
-#: the high nibble of byte b, 8w + 2b + 1 in the low one), column order 0..7. Per 4 codes: the
-#: magnitudes (code & 7, nibble-spaced as prmt selectors want them) pick 12 + 2|v| and 12 - 2|v| from
-#: the byte tables, the sign bits become byte masks (prmt's sign-replicate mode over w and w << 4)
-#: that choose between them (lop3 0xD8: c ? b : a), and each byte goes under the exponent byte 0x43
-#: (the even column's byte second in each pair).
-E2M1_ASM = tl.constexpr(f"""{{
-    .reg .b32 s, p, q, k, w4, lo, hi, m, tp0, tp1, tn0, tn1;
-    mov.b32 tp0, {E2M1_POS[0]}; mov.b32 tp1, {E2M1_POS[1]};
-    mov.b32 tn0, {E2M1_NEG[0]}; mov.b32 tn1, {E2M1_NEG[1]};
-    mov.b32 m, 0x43000000;
-    shl.b32 w4, $8, 4;
-    and.b32 s, $8, 0x7777;
-    prmt.b32 p, tp0, tp1, s;
-    prmt.b32 q, tn0, tn1, s;
-    prmt.b32 k, $8, w4, {SIGN_SEL[0]};
-    lop3.b32 lo, p, q, k, 0xD8;
-    shr.b32 s, $8, 16;
-    and.b32 s, s, 0x7777;
-    prmt.b32 p, tp0, tp1, s;
-    prmt.b32 q, tn0, tn1, s;
-    prmt.b32 k, $8, w4, {SIGN_SEL[1]};
-    lop3.b32 hi, p, q, k, 0xD8;
-    {_as_floats([(r, b ^ 1) for r in ("lo", "hi") for b in range(4)])}
-    }}""")
+#: the high nibble of byte b, 8w + 2b + 1 in the low one), column order 0..7: ``e2m1_bytes``, then
+#: each byte under the exponent byte 0x43 (the even column's byte second in each pair).
+E2M1_ASM = tl.constexpr(_block([".reg .b32 s, p, q, k, w4, lo, hi, m, tp0, tp1, tn0, tn1;", *E2M1_TABLES,
+                                 "mov.b32 m, 0x43000000;", *e2m1_bytes("$8", "lo", "hi"),
+                                 *_as_floats([(r, b ^ 1) for r in ("lo", "hi") for b in range(4)])]))
+
+
+@triton.jit
+def swizzled(r, blk, s_cols):
+    # the byte offset of nvfp4's E4M3 scale of row r, 16-column block blk, in cuBLAS's swizzled layout
+    # (``gemv4.py``'s module docstring; s_cols columns of blocks): 128 x 4 tiles of 512 bytes
+    return ((r >> 7) * (s_cols // 4) + (blk >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (blk & 3)
 
 
 @triton.jit
@@ -307,7 +286,7 @@ def _tile4w(X, W, S, T, Y, N, KW, W_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, NR
             f0, f1, f2, f3, f4, f5, f6, f7 = _e2m1_8(wd, PTX)
             blk = (offs_w >> 1)[None, :]
             r = offs_n[:, None]
-            s_off = ((r >> 7) * (s_cols // 4) + (blk >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (blk & 3)
+            s_off = swizzled(r, blk, s_cols)
             if EVEN:
                 sb = tl.load(S + s_off)
             else:

@@ -3,6 +3,9 @@
 * ``e4m3_bf16``: e4m3fn bytes to bf16 with integer ops and one packed multiply (the GEMV's fp8 path).
 * ``l2_prefetch`` / ``prefetch_share``: ask L2 for lines of a weight the next product will stream
   (``prefetch.global.L2``: no data comes back, nothing waits for it).
+* ``nibble_bytes`` / ``e2m1_bytes``: the PTX text (lines of an ``inline_asm`` block) that turns a
+  32-bit word of convrot_w4a4 nibbles / nvfp4 E2M1 codes into bytes, shared by the 4-bit tiles
+  (``gemv4w.py``, ``gemv4m.py``).
 
 The programmatic-dependent-launch instructions live with their protocol in ``pdl.py``.
 """
@@ -61,3 +64,37 @@ def prefetch_share(P, n_lines, BLOCK: tl.constexpr):
         i = j + tl.arange(0, BLOCK)
         l2_prefetch(P + i.to(tl.int64) * 128, i < hi)
 
+
+# ---------------------------------------------------------------- 4-bit unpacks as PTX text
+
+def nibble_bytes(w: str, lo: str, hi: str) -> list[str]:
+    """PTX putting q + 8 of convrot_w4a4 word ``w``'s even columns (0, 2, 4, 6) in the bytes of ``lo``,
+    of its odd ones in ``hi``."""
+    return [f"lop3.b32 {lo}, {w}, 0x0F0F0F0F, 0x08080808, 0x6a;", f"shr.b32 {hi}, {w}, 4;",
+            f"lop3.b32 {hi}, {hi}, 0x0F0F0F0F, 0x08080808, 0x6a;"]
+
+
+#: nvfp4 byte tables of ``e2m1_bytes``: 12 + 2v for the magnitude codes 0..7, positive and negative
+#: (two 32-bit registers each, byte i = code i), and the byte permutes of the sign masks.
+E2M1_POS = (0x0F0E0D0C, 0x18141210)
+E2M1_NEG = (0x090A0B0C, 0x00040608)
+SIGN_SEL = (0x9D8C, 0xBFAE)
+
+
+#: The registers ``e2m1_bytes`` uses: scratch, and the byte tables (``E2M1_TABLES`` loads them).
+E2M1_REGS = ".reg .b32 s, p, q, k, w4, tp0, tp1, tn0, tn1;"
+E2M1_TABLES = [f"mov.b32 tp0, {E2M1_POS[0]}; mov.b32 tp1, {E2M1_POS[1]};",
+               f"mov.b32 tn0, {E2M1_NEG[0]}; mov.b32 tn1, {E2M1_NEG[1]};"]
+
+
+def e2m1_bytes(w: str, lo: str, hi: str) -> list[str]:
+    """PTX putting 12 + 2v of nvfp4 word ``w``'s codes in bytes: columns 1, 0, 3, 2 in ``lo``, 5, 4, 7,
+    6 in ``hi`` (the even column in a byte's high nibble). Per 4 codes: the magnitudes (code & 7,
+    nibble-spaced as prmt selectors want them) pick 12 + 2|v| and 12 - 2|v| from the byte tables, the
+    sign bits become byte masks (prmt's sign-replicate mode over w and w << 4) that choose between
+    them (lop3 0xD8: c ? b : a)."""
+    def four(reg, sel):
+        return ["prmt.b32 p, tp0, tp1, s;", "prmt.b32 q, tn0, tn1, s;", f"prmt.b32 k, {w}, w4, {sel};",
+                f"lop3.b32 {reg}, p, q, k, 0xD8;"]
+    return [f"shl.b32 w4, {w}, 4;", f"and.b32 s, {w}, 0x7777;", *four(lo, SIGN_SEL[0]), f"shr.b32 s, {w}, 16;",
+            "and.b32 s, s, 0x7777;", *four(hi, SIGN_SEL[1])]
