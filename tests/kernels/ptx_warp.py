@@ -1,16 +1,17 @@
 """A model of one warp running a block of inline PTX, for the kernels whose PTX no CPU can run.
 
-``run_warp(asm, operands, memory)`` runs ``asm`` (the text of a Triton ``inline_asm_elementwise``
-block) for 32 lanes in step. It knows the instructions the pack's 4-bit tiles use, each modelled
-from the PTX ISA, not from the pack: ``mov``, ``setp`` (ne / gt), ``and.pred``, ``shl`` / ``shr`` /
-``and``, ``lop3`` (the immediate a truth table over a = 0xF0, b = 0xCC, c = 0xAA), ``prmt`` (default
-mode: byte i of the result is byte ``sel_i & 7`` of ``{b, a}``, its sign replicated when bit 3 is
-set), predicated ``ld.global...v4.b32`` from ``memory``, ``fma.rn.bf16x2`` / ``fma.rn.f16x2``
-(float64 then rounded to the half type), and ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}``
-with PTX's fragment layout: lane l = 4 g + t holds A's (row g | g + 8, columns 2t, 2t + 1 | 2t + 8,
-2t + 9) in a0 (g, 2t..), a1 (g + 8, 2t..), a2 (g, 2t + 8..), a3 (g + 8, 2t + 8..); B's (rows 2t,
-2t + 1 | 2t + 8, 2t + 9; column g) in b0, b1; D's (row g | g + 8; columns 2t, 2t + 1) in d0..d3.
-The low half of a 32-bit register is the lower index. An instruction it does not know fails.
+``run_warp(asm, operands, memory)`` runs ``asm`` (the text of a Triton ``inline_asm_elementwise`` block)
+for 32 lanes in step (or one, for a block without an MMA). It knows the instructions the pack's 4-bit
+tiles use, each modelled from the PTX ISA, not from the pack: ``mov``, ``setp`` (ne / gt), ``and.pred``,
+``shl`` / ``shr`` / ``and``, ``lop3`` (the immediate a truth table over a = 0xF0, b = 0xCC, c = 0xAA),
+``prmt`` (default mode: byte i of the result is byte ``sel_i & 7`` of ``{b, a}``, its sign replicated
+when bit 3 is set), predicated ``ld.global...v4.b32`` from ``memory``, ``fma.rn.bf16x2`` /
+``fma.rn.f16x2`` (float64 then rounded to the half type), and
+``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}`` with PTX's fragment layout: lane l = 4 g + t holds
+A's (row g | g + 8, columns 2t, 2t + 1 | 2t + 8, 2t + 9) in a0 (g, 2t..), a1 (g + 8, 2t..), a2 (g, 2t +
+8..), a3 (g + 8, 2t + 8..); B's (rows 2t, 2t + 1 | 2t + 8, 2t + 9; column g) in b0, b1; D's (row g | g +
+8; columns 2t, 2t + 1) in d0..d3. The low half of a 32-bit register is the lower index. An instruction
+it does not know fails.
 """
 
 from __future__ import annotations
@@ -73,18 +74,67 @@ def _args(text: str) -> list[str]:
     return [a.strip() for a in re.findall(r"\s*(\{[^}]*\}|\[[^\]]*\]|[^,]+)", text)]
 
 
-def run_warp(asm: str, operands: list[list], memory: Memory) -> list[list]:
-    """Run ``asm`` for 32 lanes; ``operands[l]`` are lane l's ``$0, $1, ...`` (outputs first, any
-    value; float32 operands as Python floats, the rest as integers). Returns each lane's operands
-    after the block."""
-    regs = [{f"${i}": v for i, v in enumerate(ops)} for ops in operands]
-
-    def val(lane: int, tok: str):
+def _lane(r: dict, op: str, args: list[str], memory: Memory | None) -> None:
+    """One instruction (not an MMA) of one lane whose registers are ``r``."""
+    def val(tok: str):
         tok = tok.strip()
-        if tok in regs[lane]:
-            return regs[lane][tok]
-        return int(tok, 0) & MASK
+        return r[tok] if tok in r else int(tok, 0) & MASK
 
+    if op.startswith("ld.global") and op.endswith(".v4.b32"):
+        m = re.fullmatch(r"\[(\$\d+)\+(\d+)\]", args[1])
+        addr = r[m.group(1)] + int(m.group(2))
+        for j, d in enumerate(args[0].strip("{}").split(",")):
+            r[d.strip()] = memory.word(addr + 4 * j)
+        return
+    d, src = args[0], args[1:]
+    if op in ("mov.b32", "mov.f32"):
+        r[d] = val(src[0])
+    elif op == "setp.ne.b32":
+        r[d] = val(src[0]) != val(src[1])
+    elif op == "setp.gt.s32":
+        a, b = (v - (1 << 32) if v >= 1 << 31 else v for v in (val(src[0]), val(src[1])))
+        r[d] = a > b
+    elif op == "and.pred":
+        r[d] = r[src[0]] and r[src[1]]
+    elif op == "shl.b32":
+        r[d] = (val(src[0]) << val(src[1])) & MASK
+    elif op == "shr.b32":
+        r[d] = val(src[0]) >> val(src[1])
+    elif op == "and.b32":
+        r[d] = val(src[0]) & val(src[1])
+    elif op == "prmt.b32":
+        a, b, sel = (val(t) for t in src)
+        pool, out = a | (b << 32), 0
+        for i in range(4):
+            s = (sel >> (4 * i)) & 15
+            byte = (pool >> (8 * (s & 7))) & 255
+            if s & 8:
+                byte = 255 if byte & 128 else 0
+            out |= byte << (8 * i)
+        r[d] = out
+    elif op == "lop3.b32":
+        a, b, c, lut = (val(t) for t in src)
+        out = 0
+        for ia in (0, 1):
+            for ib in (0, 1):
+                for ic in (0, 1):
+                    if (lut >> (4 * ia + 2 * ib + ic)) & 1:
+                        out |= (a if ia else ~a) & (b if ib else ~b) & (c if ic else ~c) & MASK
+        r[d] = out
+    elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+        kind = op.split(".")[-1][:-2]
+        a, b, c = (_halves(val(t), kind) for t in src)
+        lo, hi = (_bits(a[i] * b[i] + c[i], kind) for i in (0, 1))
+        r[d] = lo | (hi << 16)
+    else:
+        raise AssertionError(f"unmodelled PTX: {op}")
+
+
+def run_warp(asm: str, operands: list[list], memory: Memory | None = None) -> list[list]:
+    """Run ``asm`` for ``len(operands)`` lanes in step (32 where it has an MMA); ``operands[l]`` are
+    lane l's ``$0, $1, ...`` (outputs first, any value; float32 operands as Python floats, the rest
+    as integers). Returns each lane's operands after the block."""
+    regs = [{f"${i}": v for i, v in enumerate(ops)} for ops in operands]
     for stmt in _statements(asm):
         pred = None
         if stmt.startswith("@"):
@@ -92,62 +142,12 @@ def run_warp(asm: str, operands: list[list], memory: Memory) -> list[list]:
         op, rest = stmt.split(None, 1)
         args = _args(rest)
         if op.startswith("mma.sync.aligned.m16n8k16.row.col.f32."):
-            kind = op.split(".")[-3]
-            _mma(regs, args, kind)
+            assert len(regs) == 32, "an MMA needs the whole warp"
+            _mma(regs, args, op.split(".")[-3])
             continue
-        for lane in range(32):
-            r = regs[lane]
-            if pred is not None and not r[pred]:
-                continue
-            if op.startswith("ld.global") and op.endswith(".v4.b32"):
-                m = re.fullmatch(r"\[(\$\d+)\+(\d+)\]", args[1])
-                addr = r[m.group(1)] + int(m.group(2))
-                for j, d in enumerate(args[0].strip("{}").split(",")):
-                    r[d.strip()] = memory.word(addr + 4 * j)
-                continue
-            d, src = args[0], args[1:]
-            if op in ("mov.b32", "mov.f32"):
-                r[d] = val(lane, src[0])
-            elif op == "setp.ne.b32":
-                r[d] = val(lane, src[0]) != val(lane, src[1])
-            elif op == "setp.gt.s32":
-                a, b = (val(lane, s) for s in src)
-                a, b = (v - (1 << 32) if v >= 1 << 31 else v for v in (a & MASK, b & MASK))
-                r[d] = a > b
-            elif op == "and.pred":
-                r[d] = r[src[0]] and r[src[1]]
-            elif op == "shl.b32":
-                r[d] = (val(lane, src[0]) << val(lane, src[1])) & MASK
-            elif op == "shr.b32":
-                r[d] = val(lane, src[0]) >> val(lane, src[1])
-            elif op == "and.b32":
-                r[d] = val(lane, src[0]) & val(lane, src[1])
-            elif op == "prmt.b32":
-                a, b, sel = (val(lane, s) for s in src)
-                pool, out = a | (b << 32), 0
-                for i in range(4):
-                    s = (sel >> (4 * i)) & 15
-                    byte = (pool >> (8 * (s & 7))) & 255
-                    if s & 8:
-                        byte = 255 if byte & 128 else 0
-                    out |= byte << (8 * i)
-                r[d] = out
-            elif op == "lop3.b32":
-                a, b, c, lut = (val(lane, s) for s in src)
-                out = 0
-                for ia in (0, 1):
-                    for ib in (0, 1):
-                        for ic in (0, 1):
-                            if (lut >> (4 * ia + 2 * ib + ic)) & 1:
-                                out |= (a if ia else ~a) & (b if ib else ~b) & (c if ic else ~c) & MASK
-                r[d] = out
-            elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
-                kind = op.split(".")[-1][:-2]
-                a, b, c = (_halves(val(lane, s), kind) for s in src)
-                lo, hi = (_bits(a[i] * b[i] + c[i], kind) for i in (0, 1))
-                r[d] = lo | (hi << 16)
-            else:
-                raise AssertionError(f"unmodelled PTX: {op}")
+        for r in regs:
+            if pred is None or r[pred]:
+                _lane(r, op, args, memory)
     return [[r[f"${i}"] for i in range(len(operands[0]))] for r in regs]
 
 

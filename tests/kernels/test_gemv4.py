@@ -9,6 +9,8 @@ import triton.language as tl
 from qwen35_fast.kernels.gemv4 import X_KIND, _e2m1_16, _nibbles16, gemv4, gemv4_group, gemv4_reason
 from qwen35_fast.kernels.packed4 import Packed4, dequantize
 
+from .ptx_warp import run_warp
+
 pytestmark = pytest.mark.interpreter  # Triton on CPU tensors: run with TRITON_INTERPRET=1 (tests/conftest.py)
 
 ck_tensor = pytest.importorskip("comfy_kitchen.tensor", reason="comfy-kitchen (requirements-dev.txt) is the oracle")
@@ -135,51 +137,8 @@ def test_word_tile_and_tensor_core_tile(rng, monkeypatch, dtype, fmt):
 
 
 def _run_ptx(asm: str, word: int) -> list[int]:
-    """The 8 outputs of ``asm`` (``$8`` the input word) by a model of the PTX it uses: mov, shl, shr,
-    and, prmt (default mode: a byte of {b, a}, or its sign replicated when the selector's bit 3 is
-    set) and lop3 (the immediate as a truth table over a = 0xF0, b = 0xCC, c = 0xAA)."""
-    mask = 0xFFFFFFFF
-    regs = {"$8": word & mask}
-
-    def val(tok):
-        tok = tok.strip()
-        return regs[tok] if tok in regs else int(tok, 0) & mask
-
-    for stmt in asm.replace("{", ";").replace("}", ";").split(";"):
-        parts = stmt.strip().split(None, 1)
-        if not parts or parts[0].startswith("."):
-            continue
-        op, args = parts[0], [t.strip() for t in parts[1].split(",")]
-        d, src = args[0], [val(t) for t in args[1:]]
-        if op == "mov.b32":
-            r = src[0]
-        elif op == "shl.b32":
-            r = (src[0] << src[1]) & mask
-        elif op == "shr.b32":
-            r = src[0] >> src[1]
-        elif op == "and.b32":
-            r = src[0] & src[1]
-        elif op == "prmt.b32":
-            pool = src[0] | (src[1] << 32)
-            r = 0
-            for i in range(4):
-                sel = (src[2] >> (4 * i)) & 15
-                byte = (pool >> (8 * (sel & 7))) & 255
-                if sel & 8:
-                    byte = 255 if byte & 128 else 0
-                r |= byte << (8 * i)
-        elif op == "lop3.b32":
-            r = 0
-            for ia in (0, 1):
-                for ib in (0, 1):
-                    for ic in (0, 1):
-                        if (src[3] >> (4 * ia + 2 * ib + ic)) & 1:
-                            r |= (src[0] if ia else ~src[0]) & (src[1] if ib else ~src[1]) & \
-                                (src[2] if ic else ~src[2]) & mask
-        else:
-            raise AssertionError(f"unmodelled PTX {op}")
-        regs[d] = r
-    return [regs[f"${i}"] for i in range(8)]
+    """The 8 outputs of ``asm`` (``$8`` the input word), one lane of ``ptx_warp``'s model of the PTX."""
+    return run_warp(asm, [[0] * 8 + [word]])[0][:8]
 
 
 def test_e2m1_ptx_makes_every_code_by_column(rng):
