@@ -24,12 +24,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _standalone import load_pack  # noqa: E402
+
+load_pack()
 from qwen35_fast.kernels import launch  # noqa: E402
 from qwen35_fast.kernels.capabilities import device_record  # noqa: E402
 from qwen35_fast.kernels.gemv4 import gemv4_group  # noqa: E402
 
 from benchmarks.timing import chained_us  # noqa: E402
-from benchmarks.tune import FOUR_BIT, SIZES, _operands, launches  # noqa: E402  (tune loads the pack)
+from benchmarks.tune import FOUR_BIT, SIZES, _operands, launches  # noqa: E402
 
 #: the register tile's configs timed: (16 rows, 128 * chunks columns, warps, 1 stage, 2)
 MMA_CONFIGS = [(16, bk, warps, 1, 2) for bk in (128, 256) for warps in (4, 8)]

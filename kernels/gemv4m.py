@@ -122,6 +122,8 @@ def _half2(byte, XK: tl.constexpr):
 def _chunk(d0, d1, d2, d3, pa, pb, px, oka, okb, okx, left, S, ra, rb, col, s_cols, XK: tl.constexpr,
            FMT: tl.constexpr):
     # one 128-column chunk of every lane: D += its products (nvfp4: the block scales read here)
+    # addresses as int64 ("l"): Triton 3.6 type-checks the asm's arguments pairwise, as a binary op
+    pa, pb, px = pa.to(tl.int64), pb.to(tl.int64), px.to(tl.int64)
     if FMT == 1:
         args = [pa, pb, px, oka, okb, okx, left, d0, d1, d2, d3]
         if XK == 2:

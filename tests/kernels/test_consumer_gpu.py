@@ -50,6 +50,9 @@ OLD_TRITON = "3.2.0"
 #: torch 2.8's Triton, the first whose launcher takes ``launch_pdl``: its own ``gdc_wait`` /
 #: ``gdc_launch_dependents`` do not compile (they take ``_builder``, its compiler passes ``_semantic``).
 PDL_TRITON = "3.4.0"
+#: torch 2.10 / 2.11's Triton: it type-checks an inline asm's arguments pairwise, as a binary op's
+#: (two pointers of different types, or a pointer and a float, are refused; 3.9 only broadcasts them).
+ASM_TRITON = "3.6.0"
 
 
 def _run_step(spec: dict, pythonpath: str | None = None) -> subprocess.Popen:
@@ -215,3 +218,19 @@ def test_torch_2_8s_triton_compiles_the_step_with_overlapped_launches():
     assert result["triton"] == PDL_TRITON and result["pdl"] is None, result["pdl"]
     _assert_check_live(result)
     _assert_step_fits(result, 120, CONSUMER)
+
+
+def test_torch_2_11s_triton_compiles_the_4bit_register_tile():
+    """Under torch 2.10 / 2.11's Triton (3.6.0) the 4-bit register tile (inline PTX taking the
+    weights' and x's addresses beside float accumulators) compiles for an H100 / H200 at an MTP-3
+    verify's 4 rows, both formats, both x dtypes, and the rest of the 4-bit step with it."""
+    root = _unpacked_triton(ASM_TRITON)
+    result = _result(f"Triton {ASM_TRITON}", _run_step(
+        {"cc": 90, "shared": HOPPER, "cells": [["bfloat16", "w4a4"], ["float16", "nvfp4"]], "rows": [4]}, str(root)))
+    assert result["triton"] == ASM_TRITON
+    _assert_check_live(result)
+    _assert_step_fits(result, 90, HOPPER)
+    calls = [c for c in result["calls"] if "register tile" in c["call"]]
+    assert len(calls) == 4, [c["call"] for c in calls]
+    for c in calls:
+        assert c["error"] is None and [x["kernel"] for x in c["launches"]] == ["gemv4m_kernel"], c
