@@ -55,7 +55,8 @@ def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, max_length: int, 
                     stats = seen["stats"]
                     row = {"format": fmt, "kind": "accept", "mode": mode, "p": p, "mtp": mtp, "tok_s": tok_s,
                            "acceptance": stats.acceptance_rate,
-                           "depths": {str(k): v for k, v in stats.mtp_depths.items()}}
+                           "depths": {str(k): v for k, v in stats.mtp_depths.items()},
+                           "wall_s": stats.decode_s, "trace": stats.mtp_trace}
                     rows.append(row)
                     print(f"{fmt:>5} {mode:>7} P={p:.1f} mtp={mtp:>4}: {tok_s:8.1f} tok/s, acceptance "
                           f"{100 * row['acceptance']:5.1f}% {row['depths'] or ''}", flush=True)

@@ -41,6 +41,7 @@ class GenerationStats:
     ``mtp_depths``: {depth: cycles run at it} (0: tokens of plain steps between cycles);
     ``mtp_acceptance``: per draft position, the share of drafts kept where the ones before were
     (None where never reached); ``mtp_off``: why ``mtp="auto"`` ran plain steps, or None;
+    ``mtp_trace``: ``mtp="auto"``'s ``DepthController.trace()`` (wall time per depth, switches), or None;
     ``attention_backend``: the decode-attention backend used; ``decode_path``: the runner's
     (``stack.build_runner``: Triton kernels or module calls, CUDA graphs or not, and why).
     """
@@ -58,6 +59,7 @@ class GenerationStats:
     mtp_depths: dict = field(default_factory=dict)
     mtp_acceptance: list = field(default_factory=list)
     mtp_off: str | None = None
+    mtp_trace: dict | None = None
     attention_backend: str = ""
     decode_path: str = ""
 
@@ -183,6 +185,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         summary = control.summary()
         stats.mtp_auto = req.mtp_auto
         stats.mtp_depths, stats.mtp_acceptance, stats.mtp_off = summary["depths"], summary["acceptance"], summary["off"]
+        stats.mtp_trace = summary["trace"]
     return GenerationResult(list(sampler.generated), stats, stop)
 
 
@@ -222,14 +225,14 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         if k == 0:
             count = min(control.segment_length(), room + 1) if room else 1
             keep = torch.empty(1, count, binding.config.hidden_size, dtype=dtype, device=device)
-            before, per_token = len(sampler.generated), None
+            before, per_token, began = len(sampler.generated), None, time.perf_counter()
             try:
                 stop, per_token = _decode_ahead(binding, runner, sampler, positions, before + count, stats, report,
                                                 keep=(keep, use_prenorm))
             finally:  # counted in the stats also when a callback stops the generation mid-segment
                 new = sampler.generated[before:]
                 if room:  # a segment the controller asked for (not the last token's single step)
-                    control.plain(len(new), per_token)
+                    control.plain(len(new), per_token, time.perf_counter() - began)
             if shadow is not None and len(new) >= len(shadow):
                 control.shadow(len(shadow), next((i for i, t in enumerate(shadow) if t != new[i]), len(shadow)))
             shadow = None
@@ -245,7 +248,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
                 drafts, _ = draft(binding, runner, sampler, positions, hid, emb, mtp_start, cache.length, depth,
                                   chunk=req.mtp_depth + 1)
                 catch, shadow = [], drafts.tolist()
-                control.costs.add_probe(time.perf_counter() - probe)
+                control.probed(time.perf_counter() - probe)
             pending_id, clock = None, time.perf_counter()
             continue
         first = k not in ran
@@ -271,7 +274,8 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         new, accepted, pending_id = settle(verdict)
         stats.accepted += accepted
         now = time.perf_counter()
-        control.cycle(k, accepted, now - clock if timed else None, first_seconds=now - clock if first else None)
+        control.cycle(k, accepted, now - clock if timed else None, first_seconds=now - clock if first else None,
+                      wall=now - clock)
         clock = now
         stop_at = next((i for i, t in enumerate(new) if t in sampler.stops), None)
         if stop_at is not None:

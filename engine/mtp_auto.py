@@ -176,6 +176,9 @@ class DepthController:
         #: tokens made so far in this generation; the room left (set by the caller, None: unknown)
         self.tokens, self.room = 0, None
         self.off_reason = None
+        self._wall = [0.0] * (max_depth + 1)  # wall seconds spent at each depth (plain: segments)
+        self._probes = [0, 0.0]  # shadow probes run, their wall seconds
+        self._switches: list[dict] = []  # each change of depth, with what the controller saw
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> list[float]:
@@ -245,6 +248,11 @@ class DepthController:
         a = self.acceptance()
         best = self.best()
         if best != self.depth and self.worth(best, a):
+            if len(self._switches) < 64:
+                self._switches.append({"at": self.tokens, "from": self.depth, "to": best,
+                                       "a": [round(x, 3) for x in a[1:]],
+                                       "cost_ms": [round(1e3 * self.costs.estimate(k), 3)
+                                                   for k in range(self.max_depth + 1)]})
             self.depth = best
         if self.depth == 0:
             self.off_reason = (f"drafts were rarely accepted (estimated {100 * a[1]:.0f}% at the first position): "
@@ -266,10 +274,12 @@ class DepthController:
             self.drafted[j] += 1
             self.accepted[j] += kept
 
-    def cycle(self, depth: int, accepted: int, seconds: float | None, *, first_seconds: float | None = None) -> None:
+    def cycle(self, depth: int, accepted: int, seconds: float | None, *, first_seconds: float | None = None,
+              wall: float = 0.0) -> None:
         """A cycle of ``depth`` drafts kept ``accepted`` of them and took ``seconds`` (None: untimed).
         ``first_seconds``: the wall time of the generation's first cycle at this depth (it captured
-        the depth's graphs; not a cost sample)."""
+        the depth's graphs; not a cost sample). ``wall``: its wall seconds, timed or not (``trace``)."""
+        self._wall[depth] += wall
         self._observe(depth, accepted)
         self.histogram[depth] += 1
         self.tokens += accepted + 1
@@ -280,9 +290,10 @@ class DepthController:
             self.costs.add_capture(first_seconds - self.costs.estimate(depth))
         self._decide()
 
-    def plain(self, tokens: int, seconds_per_token: float | None) -> None:
-        """A plain segment produced ``tokens`` tokens at ``seconds_per_token`` (None: untimed); a
-        shadow probe is due after it (``shadow_depth``)."""
+    def plain(self, tokens: int, seconds_per_token: float | None, wall: float = 0.0) -> None:
+        """A plain segment produced ``tokens`` tokens at ``seconds_per_token`` (None: untimed) in
+        ``wall`` seconds; a shadow probe is due after it (``shadow_depth``)."""
+        self._wall[0] += wall
         self.histogram[0] += tokens
         self.tokens += tokens
         if seconds_per_token is not None:
@@ -293,6 +304,12 @@ class DepthController:
         """Drafts to make now for a shadow probe (0: none due): after a plain segment, at depth 0."""
         due, self._shadow_due = self._shadow_due, False
         return min(SHADOW_DEPTH, self.max_depth) if due and self.depth == 0 else 0
+
+    def probed(self, seconds: float) -> None:
+        """A shadow probe (the head's catch-up and its drafts) took ``seconds``."""
+        self._probes[0] += 1
+        self._probes[1] += seconds
+        self.costs.add_probe(seconds)
 
     def shadow(self, depth: int, matched: int) -> None:
         """A shadow probe's ``depth`` drafts: the first ``matched`` equal the tokens the model then
@@ -309,14 +326,27 @@ class DepthController:
             return FIRST_SEGMENT
         return min(MAX_SEGMENT, max(FIRST_SEGMENT, math.ceil(probe / (PROBE_SHARE * timed[0]))))
 
+    def trace(self) -> dict:
+        """Where the generation's wall time went and why the depth changed (benchmarks, the debug
+        log): ``wall_s`` {depth: seconds}, ``probes`` / ``probe_s``, ``switches`` (the first 64: at
+        how many tokens, from and to which depth, the acceptance estimate ``a`` per position and
+        the cost estimate per depth in ms), the same estimates at the end, the timed depths and the
+        depths whose graphs existed before the generation."""
+        return {"wall_s": {k: round(w, 4) for k, w in enumerate(self._wall) if w},
+                "probes": self._probes[0], "probe_s": round(self._probes[1], 4), "switches": self._switches,
+                "a": [round(x, 3) for x in self.acceptance()[1:]],
+                "cost_ms": [round(1e3 * self.costs.estimate(k), 3) for k in range(self.max_depth + 1)],
+                "timed": sorted(self.costs.timed()), "ready": sorted(self.ready)}
+
     def summary(self) -> dict:
         """``depths``: {depth: cycles run (depth 0: plain tokens)}; ``acceptance``: per draft
         position, accepted / reached over the whole generation; ``off``: why plain steps ran, or
-        None."""
+        None; ``trace``: ``trace()`` (None for a fixed depth)."""
         return {"depths": {k: n for k, n in enumerate(self.histogram) if n},
                 "acceptance": [self.accepted[j] / self.drafted[j] if self.drafted[j] else None
                                for j in range(1, self.max_depth + 1)],
-                "off": self.off_reason if self.histogram[0] else None}
+                "off": self.off_reason if self.histogram[0] else None,
+                "trace": self.trace() if isinstance(self, DepthController) else None}
 
 
 class FixedDepth:
@@ -336,7 +366,8 @@ class FixedDepth:
     def shadow_depth(self) -> int:
         return 0
 
-    def cycle(self, depth: int, accepted: int, seconds: float | None, *, first_seconds: float | None = None) -> None:
+    def cycle(self, depth: int, accepted: int, seconds: float | None, *, first_seconds: float | None = None,
+              wall: float = 0.0) -> None:
         self.histogram[depth] += 1
         for j in range(1, min(accepted + 1, depth) + 1):
             self.drafted[j] += 1

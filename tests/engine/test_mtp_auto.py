@@ -228,6 +228,14 @@ def test_auto_switching_depths_is_exact(model, rng, stand_in, prenorm):
     assert res.tokens == off.tokens
     depths = res.stats.mtp_depths
     assert depths.get(0, 0) >= 16 and max(depths) >= 4 and len(depths) >= 4, depths
+    # the trace accounts for the decode's wall time, at the depths that ran, and for every switch
+    trace = res.stats.mtp_trace
+    assert set(trace["wall_s"]) == set(depths) and trace["probes"] >= 1, trace
+    spent = sum(trace["wall_s"].values()) + trace["probe_s"]
+    assert 0.8 * res.stats.decode_s <= spent <= 1.001 * res.stats.decode_s, (spent, res.stats.decode_s)
+    moves = trace["switches"]
+    assert moves and all(m["to"] in depths and m["from"] != m["to"] for m in moves), moves
+    assert [m["from"] for m in moves[1:]] == [m["to"] for m in moves[:-1]], moves
 
 
 def test_auto_with_the_real_head_and_real_timings(model, rng):
