@@ -60,6 +60,13 @@ def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, max_length: int, 
                     rows.append(row)
                     print(f"{fmt:>5} {mode:>7} P={p:.1f} mtp={mtp:>4}: {tok_s:8.1f} tok/s, acceptance "
                           f"{100 * row['acceptance']:5.1f}% {row['depths'] or ''}", flush=True)
+                    if row["trace"]:
+                        tr = row["trace"]
+                        moves = [(m["at"], m["from"], m["to"]) for m in tr["switches"]]
+                        print(f"      trace: decode {row['wall_s']:.3f} s, wall {tr['wall_s']}, probes {tr['probes']} "
+                              f"({tr['probe_s']} s), a {tr['a']}, cost ms {tr['cost_ms']}, timed {tr['timed']}, "
+                              f"ready {tr['ready']}, switches {moves}",
+                              flush=True)
     return rows
 
 
