@@ -222,12 +222,14 @@ class TokenClock:
         if value >= self.limit:
             raise _Enough
 
-    def run(self, fn, limit: int, skip: int = 8) -> float:
-        """Call ``fn`` until ``limit`` tokens were reported; decode tok/s from token ``skip`` on (the
-        first steps of a generation capture its CUDA graphs; the prefill is before the first token).
+    def run(self, fn, limit: int, skip: int = 8, stop: bool = True) -> float:
+        """Call ``fn`` until ``limit`` tokens were reported (``stop=False``: ``fn`` ends there by itself,
+        with no exception through the generation, so the pack keeps its decode stack as after a
+        ComfyUI run); decode tok/s from token ``skip`` on (the first steps of a generation capture its
+        CUDA graphs; the prefill is before the first token).
         ``last`` then holds what the user waits for: ``first_token_s`` (the call to the first token:
         prefill included) and ``wall_s`` (the call to the last token), and ``end_to_end_tok_s``."""
-        self.limit, self.times = limit, []
+        self.limit, self.times = limit if stop else float("inf"), []
         start = time.perf_counter()
         try:
             fn()
@@ -360,7 +362,7 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
 
         modes = {"greedy": greedy, "sampled": sampled}
         rows += sweep(fmt, target, embeds, clock, ps=args.accept, tokens=args.tokens,
-                      max_length=args.max_lengths[0], modes={m: modes[m] for m in args.accept_modes},
+                      modes={m: modes[m] for m in args.accept_modes},
                       vocab=bind(target.transformer).config.vocab_size, repeat=args.repeat)
         comfy.model_management.unload_all_models()
         patched = target = embeds = clip = loaded = None
@@ -649,7 +651,7 @@ def main() -> None:
                     help="run each max_length's rows this many times over, in the same interleaved order")
     ap.add_argument("--accept", nargs="+", type=float, metavar="P",
                     help="instead of the rows above: MTP off, depths 1..5 and auto with each draft kept with "
-                         "probability P (benchmarks/mtp_accept.py), at the first --max-lengths, --tokens tokens")
+                         "probability P (benchmarks/mtp_accept.py); each generation ends at --tokens tokens")
     ap.add_argument("--accept-modes", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"])
     ap.add_argument("--no-triton", action="store_true",
                     help="run with `import triton` failing, as a Windows ComfyUI without triton-windows "

@@ -10,7 +10,11 @@ large margin) and the prompt enhancer's text-to-image sampling (temperature 1, t
 always; each row records the acceptance it really got. Rows per mode and P, interleaved: off,
 depth 1..5, auto (its cost book warm from the earlier rows, as in a ComfyUI process that has
 generated before), after one short untimed generation of each per mode (Triton compiles each
-depth's kernels on first use); decode tok/s from the 8th token (``TokenClock``).
+depth's kernels on first use); decode tok/s from the 8th token (``TokenClock``). Each generation
+ends by itself at ``tokens`` tokens (``max_length``), so the pack keeps its decode stack and CUDA
+graphs from row to row as from one ComfyUI run to the next: a depth ``auto`` switches to is one an
+earlier row captured (a generation stopped by an exception keeps no stack, and every switch would
+then capture graphs inside the timed window).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from benchmarks.draft_hook import acceptance_hook
 KINDS = ("off", "1", "2", "3", "4", "5", "auto")
 
 
-def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, max_length: int, modes: dict, vocab: int,
+def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, modes: dict, vocab: int,
           repeat: int = 1) -> list[dict]:
-    """Rows ``{"format", "kind": "accept", "mode", "p", "mtp", "tok_s", "acceptance", "depths"}``
+    """Rows ``{"format", "kind": "accept", "mode", "p", "mtp", "tok_s", "acceptance", "depths", "wall_s",
+    "trace", "decode_path"}``
     for every mode (name -> sampling keyword arguments of ``generate``), P and MTP setting. The
     engine is called as the patch calls it (``run_engine``'s binding hooks and execution dtype),
     with a callback that ticks ``clock`` and keeps the generation's stats."""
@@ -50,13 +55,13 @@ def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, max_length: int, 
                         clock.tick(len(all_tokens))
 
                     tok_s = clock.run(lambda m=mtp, h=hook, cb=tick: generate(
-                        target.transformer, embeds, max_length=max_length, mtp=m, mtp_draft=h, callback=cb,
-                        **bind, **kw), tokens)
+                        target.transformer, embeds, max_length=tokens, mtp=m, mtp_draft=h, callback=cb,
+                        **bind, **kw), tokens, stop=False)
                     stats = seen["stats"]
                     row = {"format": fmt, "kind": "accept", "mode": mode, "p": p, "mtp": mtp, "tok_s": tok_s,
                            "acceptance": stats.acceptance_rate,
                            "depths": {str(k): v for k, v in stats.mtp_depths.items()},
-                           "wall_s": stats.decode_s, "trace": stats.mtp_trace}
+                           "wall_s": stats.decode_s, "trace": stats.mtp_trace, "decode_path": stats.decode_path}
                     rows.append(row)
                     print(f"{fmt:>5} {mode:>7} P={p:.1f} mtp={mtp:>4}: {tok_s:8.1f} tok/s, acceptance "
                           f"{100 * row['acceptance']:5.1f}% {row['depths'] or ''}", flush=True)

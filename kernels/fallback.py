@@ -23,6 +23,12 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   3.9). Split-K (``gemv4w_split``):
   enough one-warp programs to keep the memory system busy, 16 per SM, a power of two up to 16 and
   at most one range per K tile (16 at the 9B's 4096-wide split products, as measured).
+* 4-bit register tile (``gemv4m_config``, ``gemv4.py``'s ``_mma_fits`` decides where it runs):
+  convrot_w4a4 from ``MMA_ROWS`` rows (an MTP-2..5 verify) on compute capability 8.0+; 16 outputs a
+  warp, 256 columns a K step (128 from 16384 outputs), 8 warps where the programs and K ranges number
+  under 2 per SM, else 4; split products in 4 K ranges from K 8192. Measured on an H100
+  (``gemv4_tiles.py``, 9B shapes, 4 rows: 1.4x the word tile at the 4096-wide products, 2.2-3.0x at
+  the others; at 1 row it loses to the word tile at 4 of 5 launches, so decode rows keep the word tile).
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
   SM for 8-bit weights, 2 for 16-bit) cuts K into the largest power of two of ranges that reaches
   it, at most 8 and at most one range per K tile.
@@ -134,6 +140,33 @@ def gemv4w_config(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
         block_n, block_k = (8 if rows <= 4 else 4), 256
     block_k = min(block_k, max(32, 1 << max(0, k - 1).bit_length()))
     return block_n, block_k, 1, 1, 1
+
+
+#: rows of x from which the fallback runs 4-bit products on the register tile (``gemv4m_config``)
+MMA_ROWS = 3
+
+
+def gemv4_pick(n: int, k: int, rows: int, record: DeviceRecord | None,
+               fmt: str = "convrot_w4a4") -> tuple[int, int, int, int, int]:
+    """The 4-bit word / register tile config for a launch no table names: ``gemv4m_config`` for
+    convrot_w4a4 from ``MMA_ROWS`` rows on compute capability 8.0+ (the interpreter: as for Hopper),
+    else ``gemv4w_config`` (nvfp4's register tile is not yet timed on a GPU: a table may name it)."""
+    if fmt == "convrot_w4a4" and rows >= MMA_ROWS and (record is None or record.arch >= 80):
+        return gemv4m_config(n, k, record)
+    return gemv4w_config(n, k, rows)
+
+
+def gemv4m_config(n: int, k: int, record: DeviceRecord | None) -> tuple[int, int, int, int, int]:
+    """(16, BLOCK_K, warps, 1, 2) of the register tile (``gemv4m.py``; module docstring)."""
+    block_k = 128 if n >= 16384 else 256
+    sms = HOPPER_SMS if record is None else record.sms
+    warps = 8 if -(-n // 16) * gemv4m_split(n, k) < 2 * sms else 4
+    return 16, block_k, warps, 1, 2
+
+
+def gemv4m_split(n: int, k: int) -> int:
+    """K ranges of a register-tile product whose consumer sums the partials: 4 from K 8192, else 1."""
+    return 4 if k >= 8192 else 1
 
 
 def gemv4w_split(n: int, k: int, record: DeviceRecord | None, block_n: int, block_k: int) -> int:

@@ -214,15 +214,20 @@ def gemv4(n: int, k: int, fmt: str, rows: int, device, *, weights: int = 1,
           x_bytes: int = 2, words: bool | None = None) -> tuple[tuple[int, ...], int]:
     """(config, split) of a 4-bit GEMV launch: as ``gemv``. The word tile (``words``, default
     ``gemv4_words``): the table's kind for the format (``GEMV4_KINDS``: ``w4a4`` / ``nvfp4``), else
-    ``fallback.gemv4w_config`` / ``gemv4w_split``; config = (BLOCK_N, BLOCK_K in weight columns,
-    warps, stages[, 1: vector loads]). The tensor-core tile (more rows, storage not on words):
+    ``fallback.gemv4_pick`` (the word tile, or the register tile from ``fallback.MMA_ROWS`` rows) and
+    its split; config = (BLOCK_N, BLOCK_K in weight columns, warps, stages[, 1: vector loads; 2: the
+    register tile]). The tensor-core tile (more rows, storage not on words):
     ``fallback.gemv4_config``; config = (BLOCK_N, BLOCK_K in weight columns, warps, stages)."""
     record = _record(device)
     if gemv4_words(fmt, k, rows) if words is None else words:
         found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record)
-        config = tuple(found["config"]) if "config" in found else fallback.gemv4w_config(n, k, rows)
-        split = int(found["split"]) if "split" in found else \
-            fallback.gemv4w_split(n, k, record, config[0], config[1])
+        config = tuple(found["config"]) if "config" in found else fallback.gemv4_pick(n, k, rows, record, fmt)
+        if "split" in found:
+            split = int(found["split"])
+        elif len(config) > 4 and config[4] == 2:
+            split = fallback.gemv4m_split(n, k)
+        else:
+            split = fallback.gemv4w_split(n, k, record, config[0], config[1])
         return config, split
     config = fallback.gemv4_config(n, k, rows, record, weights, x_bytes, fmt)
     return config, fallback.gemv_split(n, k, True, record, config[0], config[1])

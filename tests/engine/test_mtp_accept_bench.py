@@ -34,11 +34,13 @@ def test_accept_sweep_rows_and_table(tmp_path, rng, monkeypatch):
     clock = TokenClock(types.SimpleNamespace(ProgressBar=_Bar))
     prompt = torch.randn(1, 5, d["hidden_size"], generator=rng)
     greedy = dict(do_sample=False)
-    rows = sweep("tiny", target, prompt, clock, ps=[0.0, 1.0], tokens=24, max_length=64, modes={"greedy": greedy},
+    rows = sweep("tiny", target, prompt, clock, ps=[0.0, 1.0], tokens=24, modes={"greedy": greedy},
                  vocab=d["vocab_size"])
     assert [(r["p"], r["mtp"]) for r in rows] == [(p, k) for p in (0.0, 1.0) for k in KINDS]
     for r in rows:
         assert r["tok_s"] > 0
+        # each row ran on the stack the row before it left, as one ComfyUI run does after another
+        assert r["decode_path"].endswith("(kept from the last generation)"), r["decode_path"]
         if r["mtp"] in ("1", "2", "3", "4", "5"):
             assert r["acceptance"] == r["p"], r  # greedy: a right draft is always kept, a wrong one never
     auto = {r["p"]: r for r in rows if r["mtp"] == "auto"}

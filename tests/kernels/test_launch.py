@@ -117,6 +117,11 @@ def test_the_fallback_fits_every_gpu_and_every_size(gpu):
                         config, parts = launch.gemv4(n, k, fmt, rows, gpu, weights=weights)
                         bn, bk, warps, stages = config[:4]
                         assert all(v & (v - 1) == 0 for v in (bn, bk, warps)), config
+                        if len(config) > 4 and config[4] == 2:  # the register tile: 16 rows a warp
+                            assert fmt == "convrot_w4a4" and rows >= fallback.MMA_ROWS and gpu.arch >= 80
+                            assert bn == 16 and bk in (128, 256) and warps in (4, 8) and stages == 1, config
+                            assert parts in (1, 4)
+                            continue
                         if launch.gemv4_words(fmt, k, rows):  # the word tile: no shared memory, one warp
                             assert (warps, stages) == (1, 1) and 32 <= bk <= 512 and bn <= 32, config
                             assert parts & (parts - 1) == 0 and 1 <= parts <= 16
@@ -222,3 +227,29 @@ def test_the_runtime_reads_two_variables_of_its_own():
         for path in (ROOT / folder).rglob("*.py"):
             found |= set(re.findall(r"QWEN35_FAST_[A-Z0-9_]+", path.read_text(encoding="utf-8")))
     assert found == {"QWEN35_FAST_PDL", "QWEN35_FAST_TUNED_DIR"}, found
+
+
+def test_the_register_tile_pick_is_what_the_h100_measured():
+    """Where no table names a convrot_w4a4 launch, a verify's rows run on the register tile with the
+    config that won at 4 rows on an H100 (``benchmarks/results/gemv4_tiles_h100.json``, or one within
+    3% of it), and a decode row on the word tile, which won there at 1 row; on an A100 (sm_80+) the same;
+    nvfp4 keeps the word tile (its register tile not yet timed); a GPU below sm_80 never gets it."""
+    results = json.loads((ROOT / "benchmarks" / "results" / "gemv4_tiles_h100.json").read_text())
+    checked = 0
+    for row in results["rows"]:
+        n, k, rows = row["n"], row["k"], row["rows"]
+        timed = {(tuple(c), p): us for c, p, us in row["mma"]}
+        if rows == 4:
+            config, split = fallback.gemv4_pick(n, k, rows, H100), fallback.gemv4m_split(n, k)
+            best = min(timed.values())
+            assert timed[(config, split)] <= 1.03 * best, (row["launch"], config, split)
+            checked += 1
+        else:  # the word tile at 1 row: it won at every launch but one (q/k/v, by 7%)
+            assert fallback.gemv4_pick(n, k, rows, H100)[4] == 1
+            assert row["word"][2] <= 1.08 * min(timed.values()), row["launch"]
+    assert checked == 6
+    a100, turing = OTHERS[0], DeviceRecord("NVIDIA GeForce RTX 2080", 75, 46, 64 * 1024, 4 << 20)
+    for rows in range(1, 9):
+        assert (fallback.gemv4_pick(4096, 4096, rows, a100)[4] == 2) == (rows >= fallback.MMA_ROWS)
+        assert fallback.gemv4_pick(4096, 4096, rows, turing)[4] == 1
+        assert fallback.gemv4_pick(4096, 4096, rows, a100, "nvfp4")[4] == 1
