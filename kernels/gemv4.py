@@ -28,8 +28,8 @@ Formats (``FORMATS``; ComfyUI 0.29.0 ``comfy/quant_ops.py`` ``QUANT_ALGOS``):
 
 An E2M1 value times its E4M3 block scale has at most 6 significant bits, so it is formed exactly in
 x's dtype; the per-row / per-tensor float32 scale multiplies the float32 accumulator. Launch
-settings come from ``launch.gemv4`` (the word tile: the GPU's table, kinds ``w4a4`` / ``nvfp4``, else
-``fallback.gemv4w_config``; this tile: ``fallback.gemv4_config``); split-K, ``row_norm``,
+settings come from ``launch.gemv4`` (the word and register tiles: the GPU's table, kinds ``w4a4`` /
+``nvfp4``, else ``fallback.gemv4_pick``; this tile: ``fallback.gemv4_config``); split-K, ``row_norm``,
 ``prefetch`` and programmatic dependent launch behave as in ``gemv.gemv_group``.
 """
 
