@@ -23,7 +23,7 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   3.9). Split-K (``gemv4w_split``):
   enough one-warp programs to keep the memory system busy, 16 per SM, a power of two up to 16 and
   at most one range per K tile (16 at the 9B's 4096-wide split products, as measured).
-* 4-bit register tile (``gemv4m_config``, ``gemv4.py``'s ``_mma_fits`` decides where it runs):
+* 4-bit register tile (``gemv4m_config``, ``gemv4.py``'s ``_mma_reason`` decides where it runs):
   convrot_w4a4 from ``MMA_ROWS`` rows (an MTP-2..5 verify) on compute capability 8.0+; 16 outputs a
   warp, 256 columns a K step (128 from 16384 outputs), 8 warps where the programs and K ranges number
   under 2 per SM, else 4; split products in 4 K ranges from K 8192. Measured on an H100

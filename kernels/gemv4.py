@@ -9,7 +9,7 @@ No repacking: the kernels read comfy-kitchen's ``QuantizedTensor`` storage as Co
 Works wherever Triton runs (no INT4 / FP4 tensor cores needed). Three tiles: either format with K a
 multiple of 8, 4-byte aligned rows and 1..8 rows of x runs ``gemv4w.py``'s word tile on the FMA
 units (``launch.gemv4_words``), or, with bf16 / fp16 x where the launch config's fifth value is 2
-and ``_mma_fits``, ``gemv4m.py``'s register tile on the tensor cores (PTX ``mma.sync``); everything
+and ``_mma_reason`` is None, ``gemv4m.py``'s register tile on the tensor cores (PTX ``mma.sync``); everything
 else (more rows, other storage) this module's tensor-core tile, x's dtype on the tensor cores as in
 ``gemv.py``.
 
@@ -35,12 +35,14 @@ settings come from ``launch.gemv4`` (the word and register tiles: the GPU's tabl
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from . import fallback, launch
-from .capabilities import compiled, device_record
+from .capabilities import compiled, device_record, say_once
 from .convrot_triton import flat_rows, hadamard_cached, hadamard_rotate
 from .gemv import MAX_GEMV_ROWS, MAX_GROUP, _prefetch_args, _row_norm_args
 from .gemv4m import gemv4m_kernel
@@ -49,6 +51,8 @@ from .packed4 import FORMATS, Packed4, packed_reason, round_up
 from .pdl import launch_args, trigger, wait
 from .ptx import prefetch_share
 from .row_norm import RowNorm
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FORMATS", "Packed4", "gemv4", "gemv4_group", "gemv4_reason"]
 
@@ -237,7 +241,11 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
         launch.gemv4(sum(ns), k, first.fmt, m, x.device, weights=len(weights), x_bytes=x.element_size(),
                      words=words)[0]
     mma = words and len(cfg) > 4 and cfg[4] == 2
-    if mma and not _mma_fits(x2, weights):  # the register tile cannot run here: the word tile's own pick
+    why = _mma_reason(x2, weights) if mma else None
+    if why is not None:  # the register tile cannot run here: the word tile's own pick
+        if compiled(x2.device):
+            say_once(log, f"4-bit products of {m} rows run on the FMA word tile, slower than the tensor-core "
+                          f"register tile: {why}")
         mma, cfg = False, fallback.gemv4w_config(sum(ns), k, m)
     block_n, block_k, warps, stages = cfg[:4]
     if mma and (block_n != 16 or block_k not in (128, 256)):
@@ -294,15 +302,20 @@ def gemv4_group(x: torch.Tensor, weights: list[Packed4], *, rotate: bool = True,
     return [y.reshape(*shape[:-1], *x.shape[:-1], n) for y, n in zip(outs, ns)]
 
 
-def _mma_fits(x2: torch.Tensor, weights: list[Packed4]) -> bool:
-    """True where ``gemv4m.py``'s tile takes x2 ``[M, K]`` with ``weights``: bf16 / fp16 x, K a
-    multiple of 32, rows of x and weights on 16 bytes, Triton compiling for an NVIDIA GPU of
-    compute capability 8.0+."""
+def _mma_reason(x2: torch.Tensor, weights: list[Packed4]) -> str | None:
+    """None where ``gemv4m.py``'s tile takes x2 ``[M, K]`` with ``weights`` (bf16 / fp16 x, K a
+    multiple of 32, rows of x and weights on 16 bytes, Triton compiling for an NVIDIA GPU of compute
+    capability 8.0+), else why not (one line)."""
     record = device_record(x2.device)
-    return (x2.dtype in (torch.bfloat16, torch.float16)
-            and x2.shape[1] % 32 == 0 and _x_aligned(x2) and compiled(x2.device) and torch.version.hip is None
-            and record is not None and record.arch >= 80
-            and all(_rows_aligned(p.qdata, 16) for p in weights))
+    if not compiled(x2.device) or torch.version.hip is not None or record is None:
+        return "no Triton compiling PTX for an NVIDIA GPU here"
+    if record.arch < 80:
+        return f"compute capability {record.arch // 10}.{record.arch % 10} (8.0+ has the MMA it needs)"
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        return f"activations are {x2.dtype} (bf16 / fp16; ComfyUI's --fp32-text-enc makes them float32)"
+    if x2.shape[1] % 32 or not _x_aligned(x2) or not all(_rows_aligned(p.qdata, 16) for p in weights):
+        return "the rows of x or of the weights are not on 16 bytes"
+    return None
 
 
 def _x_aligned(x2: torch.Tensor) -> bool:

@@ -174,3 +174,25 @@ def test_gpu_mma_tile_group_split_and_row_norm(fmt):
     fac = 1 / torch.sqrt(sq.double().sum(-1, keepdim=True) / k + eps)
     (y,) = mod.gemv4_group(x, [p1], config=cfg, row_norm=RowNorm(sq, k, eps))
     assert rel(y.cpu(), ((x.double() @ w1.cuda().T.double()) * fac).cpu()) < tol(torch.bfloat16)
+
+
+def test_why_the_register_tile_cannot_run(rng, monkeypatch):
+    """``_mma_reason`` names what keeps a launch off the register tile (the log says it once, on a
+    GPU): no PTX compiler, a GPU below compute capability 8.0, float32 activations, rows off 16
+    bytes; None where it runs."""
+    from qwen35_fast.kernels import capabilities
+    from qwen35_fast.kernels import gemv4 as mod
+
+    p, _ = stored(rng, "convrot_w4a4", 32, 256, 64)
+    x = torch.randn(4, 256, generator=rng).to(torch.bfloat16)
+    assert "no Triton compiling PTX" in mod._mma_reason(x, [p])
+    monkeypatch.setattr(mod, "compiled", lambda device: True)
+    try:
+        capabilities.simulate(capabilities.DeviceRecord("GPU", 90, 132, 227 * 1024, 50 << 20))
+        assert mod._mma_reason(x, [p]) is None
+        assert "float32" in mod._mma_reason(x.float(), [p])
+        assert "16 bytes" in mod._mma_reason(torch.randn(4, 264, generator=rng).to(torch.bfloat16)[:, 4:260], [p])
+        capabilities.simulate(capabilities.DeviceRecord("GPU", 75, 40, 64 * 1024, 4 << 20))
+        assert "compute capability 7.5" in mod._mma_reason(x, [p])
+    finally:
+        capabilities.simulate(None)
