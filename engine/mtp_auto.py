@@ -346,7 +346,7 @@ class DepthController:
                 "acceptance": [self.accepted[j] / self.drafted[j] if self.drafted[j] else None
                                for j in range(1, self.max_depth + 1)],
                 "off": self.off_reason if self.histogram[0] else None,
-                "trace": self.trace() if isinstance(self, DepthController) else None}
+                "trace": self.trace()}
 
 
 class FixedDepth:
@@ -373,5 +373,9 @@ class FixedDepth:
             self.drafted[j] += 1
         for j in range(1, accepted + 1):
             self.accepted[j] += 1
+
+    def trace(self) -> None:
+        """A fixed depth keeps no trace."""
+        return None
 
     summary = DepthController.summary
