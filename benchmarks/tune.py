@@ -132,9 +132,9 @@ def _operands(kind: str, ns: list[int], k: int, gen):
     return lambda: [torch.randn(r, k, device="cuda", generator=gen).to(torch.bfloat16) for r in ns], None
 
 
-def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) -> list[dict]:
+def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record, only=None) -> list[dict]:
     """Per launch: the current pick's time and the ``keep`` fastest (config, split) with theirs;
-    ``kind`` a table kind (``KINDS``' values)."""
+    ``kind`` a table kind (``KINDS``' values); ``only``: launch names to sweep (None: all)."""
     from qwen35_fast.kernels.gemv import gemv_group
     from qwen35_fast.kernels.gemv4 import gemv4_group
     from triton.runtime.errors import OutOfResources
@@ -142,6 +142,8 @@ def sweep_gemv(size: str, kind: str, rows: int, keep: int, quick: bool, record) 
     gen = torch.Generator(device="cuda").manual_seed(0)
     quant, out = kind != "float", []
     for name, n, k, ns, split in launches(size):
+        if only is not None and name not in only:
+            continue
         if name == "lm_head" and quick or kind in FOUR_BIT and name in ("lm_head", "MTP fc"):
             continue  # a 4-bit file keeps lm_head and mtp.* as its source holds them
         nbytes = sum(r * k for r in ns) * {"float": 2, "quant": 1}.get(kind, 0.5)
@@ -257,6 +259,9 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", choices=sorted(KINDS), default=["int8", "bf16"],
                     help="weight formats whose launches are swept (w4a4 / nvfp4 need comfy-kitchen)")
     ap.add_argument("--quick", action="store_true", help="fewer candidates, no lm_head")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="rows of x to sweep at (1: decode)")
+    ap.add_argument("--launches", nargs="+", metavar="NAME",
+                    help="sweep only these launches (names as printed, e.g. 'DeltaNet inputs')")
     ap.add_argument("--keep", type=int, default=3, help="shortlist length per launch")
     ap.add_argument("--margin", type=float, default=0.01, help="what a setting must win by (0.01 = 1%%)")
     ap.add_argument("--repeat", type=int, default=3, help="comfy_e2e.py --repeat of the confirmation")
@@ -266,8 +271,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("tune.py times kernels on a CUDA GPU; none is visible here")
     record = device_record(torch.device("cuda"))
-    swept = [r for fmt in args.formats for rows in (1, 4)
-             for r in sweep_gemv(args.size, KINDS[fmt], rows, args.keep, args.quick, record)]
+    names = {name for name, *_ in launches(args.size)}
+    if args.launches and not set(args.launches) <= names:
+        sys.exit(f"--launches: {sorted(set(args.launches) - names)} are no launch of the step; "
+                 f"choose from {sorted(names)}")
+    swept = [r for fmt in args.formats for rows in args.rows
+             for r in sweep_gemv(args.size, KINDS[fmt], rows, args.keep, args.quick, record, args.launches)]
     folder = Path(args.json).resolve().parent
     base = folder / "tune_base.json"
     base.write_text(json.dumps({"launches": table_entries(swept)}))
