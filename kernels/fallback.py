@@ -23,12 +23,15 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   3.9). Split-K (``gemv4w_split``):
   enough one-warp programs to keep the memory system busy, 16 per SM, a power of two up to 16 and
   at most one range per K tile (16 at the 9B's 4096-wide split products, as measured).
-* 4-bit register tile (``gemv4m_config``, ``gemv4.py``'s ``_mma_reason`` decides where it runs):
-  convrot_w4a4 from ``MMA_ROWS`` rows (an MTP-2..5 verify) on compute capability 8.0+; 16 outputs a
-  warp, 256 columns a K step (128 from 16384 outputs), 8 warps where the programs and K ranges number
-  under 2 per SM, else 4; split products in 4 K ranges from K 8192. Measured on an H100
-  (``gemv4_tiles.py``, 9B shapes, 4 rows: 1.4x the word tile at the 4096-wide products, 2.2-3.0x at
-  the others; at 1 row it loses to the word tile at 4 of 5 launches, so decode rows keep the word tile).
+* 4-bit register tile (``gemv4m_config``, ``gemv4.py``'s ``_mma_reason`` decides where it runs), on
+  compute capability 8.0+: convrot_w4a4 from ``MMA_ROWS`` rows (an MTP-2..5 verify), nvfp4 at every
+  row count; 16 outputs a warp; split products in 4 K ranges from K 8192. convrot_w4a4: 256 columns a
+  K step (128 from 16384 outputs), 8 warps where the programs and K ranges number under 2 per SM,
+  else 4. nvfp4 (about 45 instructions a 32-bit word against 19): 256 columns, 8 warps, 4 with K
+  ranges. Measured on an H100 (``gemv4_tiles.py``, 9B shapes): convrot_w4a4 at 4 rows 1.4x the word
+  tile at the 4096-wide products, 2.2-3.0x at the others, and at 1 row it loses to the word tile at 4
+  of 5 launches, so its decode rows keep the word tile; nvfp4 1.3-1.6x the word tile at 1 row and
+  2.5-3.5x at 4, each pick within 5% of the fastest config timed.
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
   SM for 8-bit weights, 2 for 16-bit) cuts K into the largest power of two of ranges that reaches
   it, at most 8 and at most one range per K tile.
@@ -148,16 +151,19 @@ MMA_ROWS = 3
 
 def gemv4_pick(n: int, k: int, rows: int, record: DeviceRecord | None,
                fmt: str = "convrot_w4a4") -> tuple[int, int, int, int, int]:
-    """The 4-bit word / register tile config for a launch no table names: ``gemv4m_config`` for
-    convrot_w4a4 from ``MMA_ROWS`` rows on compute capability 8.0+ (the interpreter: as for Hopper),
-    else ``gemv4w_config`` (nvfp4's register tile is not yet timed on a GPU: a table may name it)."""
-    if fmt == "convrot_w4a4" and rows >= MMA_ROWS and (record is None or record.arch >= 80):
-        return gemv4m_config(n, k, record)
+    """The 4-bit word / register tile config for a launch no table names (``fmt`` convrot_w4a4 or
+    nvfp4): ``gemv4m_config`` on compute capability 8.0+ (the interpreter: as for Hopper) for nvfp4 at
+    any row count and convrot_w4a4 from ``MMA_ROWS`` rows, else ``gemv4w_config``."""
+    if (record is None or record.arch >= 80) and (fmt == "nvfp4" or rows >= MMA_ROWS):
+        return gemv4m_config(n, k, record, fmt)
     return gemv4w_config(n, k, rows)
 
 
-def gemv4m_config(n: int, k: int, record: DeviceRecord | None) -> tuple[int, int, int, int, int]:
+def gemv4m_config(n: int, k: int, record: DeviceRecord | None,
+                  fmt: str = "convrot_w4a4") -> tuple[int, int, int, int, int]:
     """(16, BLOCK_K, warps, 1, 2) of the register tile (``gemv4m.py``; module docstring)."""
+    if fmt == "nvfp4":
+        return 16, 256, 4 if gemv4m_split(n, k) > 1 else 8, 1, 2
     block_k = 128 if n >= 16384 else 256
     sms = HOPPER_SMS if record is None else record.sms
     warps = 8 if -(-n // 16) * gemv4m_split(n, k) < 2 * sms else 4

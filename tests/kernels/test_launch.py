@@ -118,7 +118,7 @@ def test_the_fallback_fits_every_gpu_and_every_size(gpu):
                         bn, bk, warps, stages = config[:4]
                         assert all(v & (v - 1) == 0 for v in (bn, bk, warps)), config
                         if len(config) > 4 and config[4] == 2:  # the register tile: 16 rows a warp
-                            assert fmt == "convrot_w4a4" and rows >= fallback.MMA_ROWS and gpu.arch >= 80
+                            assert (fmt == "nvfp4" or rows >= fallback.MMA_ROWS) and gpu.arch >= 80
                             assert bn == 16 and bk in (128, 256) and warps in (4, 8) and stages == 1, config
                             assert parts in (1, 4)
                             continue
@@ -232,8 +232,10 @@ def test_the_runtime_reads_two_variables_of_its_own():
 def test_the_register_tile_pick_is_what_the_h100_measured():
     """Where no table names a convrot_w4a4 launch, a verify's rows run on the register tile with the
     config that won at 4 rows on an H100 (``benchmarks/results/gemv4_tiles_h100.json``, or one within
-    3% of it), and a decode row on the word tile, which won there at 1 row; on an A100 (sm_80+) the same;
-    nvfp4 keeps the word tile (its register tile not yet timed); a GPU below sm_80 never gets it."""
+    3% of it), and a decode row on the word tile, which won there at 1 row; nvfp4 rows run on the
+    register tile at 1 and 4 rows, within 5% of the fastest config timed (``gemv4_tiles_h100_nvfp4.json``),
+    which beat the word tile at every launch; on an A100 (sm_80+) the same; a GPU below sm_80 never
+    gets it."""
     results = json.loads((ROOT / "benchmarks" / "results" / "gemv4_tiles_h100.json").read_text())
     checked = 0
     for row in results["rows"]:
@@ -248,8 +250,18 @@ def test_the_register_tile_pick_is_what_the_h100_measured():
             assert fallback.gemv4_pick(n, k, rows, H100)[4] == 1
             assert row["word"][2] <= 1.08 * min(timed.values()), row["launch"]
     assert checked == 6
+    nvfp4 = json.loads((ROOT / "benchmarks" / "results" / "gemv4_tiles_h100_nvfp4.json").read_text())
+    for row in nvfp4["rows"]:
+        n, k, rows = row["n"], row["k"], row["rows"]
+        timed = {(tuple(c), p): us for c, p, us in row["mma"]}
+        config, split = launch.gemv4(n, k, "nvfp4", rows, H100)
+        assert config[4] == 2 and timed[(config, split)] <= 1.05 * min(timed.values()), (row["launch"], rows)
+        assert timed[(config, split)] < row["word"][2], row["launch"]
+        checked += 1
+    assert checked == 18
     a100, turing = OTHERS[0], DeviceRecord("NVIDIA GeForce RTX 2080", 75, 46, 64 * 1024, 4 << 20)
     for rows in range(1, 9):
         assert (fallback.gemv4_pick(4096, 4096, rows, a100)[4] == 2) == (rows >= fallback.MMA_ROWS)
         assert fallback.gemv4_pick(4096, 4096, rows, turing)[4] == 1
-        assert fallback.gemv4_pick(4096, 4096, rows, a100, "nvfp4")[4] == 1
+        assert fallback.gemv4_pick(4096, 4096, rows, a100, "nvfp4")[4] == 2
+        assert fallback.gemv4_pick(4096, 4096, rows, turing, "nvfp4")[4] == 1
