@@ -214,11 +214,11 @@ def gemv4(n: int, k: int, fmt: str, rows: int, device, *, weights: int = 1,
           x_bytes: int = 2, words: bool | None = None) -> tuple[tuple[int, ...], int]:
     """(config, split) of a 4-bit GEMV launch: as ``gemv``. The word tile (``words``, default
     ``gemv4_words``): the table's kind for the format (``GEMV4_KINDS``: ``w4a4`` / ``nvfp4``), else
-    ``fallback.gemv4_pick`` (the word tile, or the register tile: nvfp4 always, convrot_w4a4 from
-    ``fallback.MMA_ROWS`` rows) and
-    its split; config = (BLOCK_N, BLOCK_K in weight columns, warps, stages[, 1: vector loads; 2: the
-    register tile]). The tensor-core tile (more rows, storage not on words):
-    ``fallback.gemv4_config``; config = (BLOCK_N, BLOCK_K in weight columns, warps, stages)."""
+    ``fallback.gemv4_pick`` (the word tile, or on sm_80+ the register tile: nvfp4 at any row count,
+    convrot_w4a4 from ``fallback.MMA_ROWS`` rows) and its split; config = (BLOCK_N, BLOCK_K in weight
+    columns, warps, stages[, 1: vector loads; 2: the register tile]). The tensor-core tile (more
+    rows, storage not on words): ``fallback.gemv4_config``; config = (BLOCK_N, BLOCK_K in weight
+    columns, warps, stages)."""
     record = _record(device)
     if gemv4_words(fmt, k, rows) if words is None else words:
         found = lookup("gemv", GEMV4_KINDS[fmt], f"{n}x{k}", rows, record)
