@@ -268,13 +268,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "kernels" / "tuned"), help="folder the table is written to")
     ap.add_argument("--json", default="tune.json", help="the sweep's and the confirmation's results")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("tune.py times kernels on a CUDA GPU; none is visible here")
-    record = device_record(torch.device("cuda"))
     names = {name for name, *_ in launches(args.size)}
     if args.launches and not set(args.launches) <= names:
         sys.exit(f"--launches: {sorted(set(args.launches) - names)} are no launch of the step; "
                  f"choose from {sorted(names)}")
+    if not torch.cuda.is_available():
+        sys.exit("tune.py times kernels on a CUDA GPU; none is visible here")
+    record = device_record(torch.device("cuda"))
     swept = [r for fmt in args.formats for rows in args.rows
              for r in sweep_gemv(args.size, KINDS[fmt], rows, args.keep, args.quick, record, args.launches)]
     folder = Path(args.json).resolve().parent

@@ -4,6 +4,7 @@ margin, and the pack reads the result (``launch.read_table``)."""
 
 import json
 
+import pytest
 from qwen35_fast.kernels import launch
 
 from benchmarks import tune
@@ -65,3 +66,13 @@ def test_four_bit_entries_are_their_own_kind_and_fit(tmp_path):
     mma = set(tune.candidates4(4096, 4, 99 * 1024, quick=False, words=True, mma=True)) - set(words)
     assert mma and all(c[0] == 16 and c[1] in (128, 256) and c[4] == 2 for c in mma)  # the register tile's
     assert all(launch.FIELDS["gemv"]["config"][0](list(c)) for c in mma)  # a table may hold each
+
+
+def test_an_unknown_launch_name_is_refused_naming_the_valid_ones(monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.argv", ["tune.py", "--launches", "gate/up", "DeltaNet input", "--json",
+                                     str(tmp_path / "t.json"), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as refused:
+        tune.main()
+    message = str(refused.value.code)
+    assert "['DeltaNet input']" in message and "'DeltaNet inputs'" in message and "'gate/up'" in message
+    assert not list(tmp_path.iterdir())  # nothing written
