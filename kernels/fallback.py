@@ -27,8 +27,8 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   compute capability 8.0+: convrot_w4a4 from ``MMA_ROWS`` rows (an MTP-2..5 verify), nvfp4 at every
   row count; 16 outputs a warp; split products in 4 K ranges from K 8192. convrot_w4a4: 256 columns a
   K step (128 from 16384 outputs), 8 warps where the programs and K ranges number under 2 per SM,
-  else 4. nvfp4 (about 45 instructions a 32-bit word against 19): 256 columns, 8 warps, 4 with K
-  ranges. Measured on an H100 (``gemv4_tiles.py``, 9B shapes): convrot_w4a4 at 4 rows 1.4x the word
+  else 4. nvfp4 (about 45 SASS instructions a 32-bit word against 19 in this tile): 256 columns, 8
+  warps, 4 with K ranges. Measured on an H100 (``gemv4_tiles.py``, 9B shapes): convrot_w4a4 at 4 rows 1.4x the word
   tile at the 4096-wide products, 2.2-3.0x at the others, and at 1 row it loses to the word tile at 4
   of 5 launches, so its decode rows keep the word tile; nvfp4 1.3-1.6x the word tile at 1 row and
   2.5-3.5x at 4, each pick within 5% of the fastest config timed.
