@@ -249,10 +249,7 @@ class DepthController:
         best = self.best()
         if best != self.depth and self.worth(best, a):
             if len(self._switches) < 64:
-                self._switches.append({"at": self.tokens, "from": self.depth, "to": best,
-                                       "a": [round(x, 3) for x in a[1:]],
-                                       "cost_ms": [round(1e3 * self.costs.estimate(k), 3)
-                                                   for k in range(self.max_depth + 1)]})
+                self._switches.append({"at": self.tokens, "from": self.depth, "to": best, **self._estimates(a)})
             self.depth = best
         if self.depth == 0:
             self.off_reason = (f"drafts were rarely accepted (estimated {100 * a[1]:.0f}% at the first position): "
@@ -334,9 +331,13 @@ class DepthController:
         depths whose graphs existed before the generation."""
         return {"wall_s": {k: round(w, 4) for k, w in enumerate(self._wall) if w},
                 "probes": self._probes[0], "probe_s": round(self._probes[1], 4), "switches": self._switches,
-                "a": [round(x, 3) for x in self.acceptance()[1:]],
-                "cost_ms": [round(1e3 * self.costs.estimate(k), 3) for k in range(self.max_depth + 1)],
-                "timed": sorted(self.costs.timed()), "ready": sorted(self.ready)}
+                **self._estimates(self.acceptance()), "timed": sorted(self.costs.timed()), "ready": sorted(self.ready)}
+
+    def _estimates(self, a: list[float]) -> dict:
+        """``a``: the acceptance estimate per draft position (``acceptance()``'s, rounded); ``cost_ms``:
+        the cost estimate per depth 0..max in milliseconds."""
+        return {"a": [round(x, 3) for x in a[1:]],
+                "cost_ms": [round(1e3 * self.costs.estimate(k), 3) for k in range(self.max_depth + 1)]}
 
     def summary(self) -> dict:
         """``depths``: {depth: cycles run (depth 0: plain tokens)}; ``acceptance``: per draft
