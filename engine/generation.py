@@ -171,7 +171,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         key = (id(binding.transformer), id(binding.mtp), str(dtype), str(device), sampler.greedy,
                type(runner).__name__, stats.attention_backend)
         costs = cycle_costs(key, req.mtp_depth)
-        control = DepthController(req.mtp_depth, costs, start=costs.last_depth, ready=_ready(runner))
+        control = DepthController(req.mtp_depth, costs, ready=_ready(runner))
     else:
         control = FixedDepth(req.mtp_depth)
     # MTP catch-up rows: true hidden states and the embedding of the token that follows each.
@@ -181,7 +181,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
         stop = _speculate(binding, runner, sampler, positions, req, stats, report, control, catch)
     finally:
         if req.mtp_auto:
-            costs.last_depth, costs.last_tokens = control.depth, control.tokens
+            costs.last_tokens = control.tokens
         summary = control.summary()
         stats.mtp_auto = req.mtp_auto
         stats.mtp_depths, stats.mtp_acceptance, stats.mtp_off = summary["depths"], summary["acceptance"], summary["off"]

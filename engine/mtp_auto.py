@@ -17,12 +17,11 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   timed depth, from ``PRIOR_SLOPE`` (each draft adds about a fifth of a plain step: a depth-3
   cycle took 1.58 plain steps on an H100, 9B int8 file, 707.8 tok/s with every draft kept
   against 279.6 without MTP).
-* **Start**: at the depth the last generation of the same model shape ended at (``CycleCosts.
-  last_depth``: the same head and settings tend to keep as many drafts), else, and never below,
-  depth 1: a depth-1 cycle whose draft is rejected costs about a quarter of a plain step more than
-  one plain step (H100, 9B int8) and observes the acceptance every cycle, where plain steps observe
-  it once a segment (a generation started plain after a rarely accepted one stayed plain at P = 0.3
-  and 0.5, where depth 1 and 2 were 8% and 27% faster).
+* **Start**: at depth 1, never plain: a depth-1 cycle whose draft is rejected costs about a quarter
+  of a plain step more than a plain step (H100, 9B int8) and observes the acceptance every cycle,
+  where plain steps observe it once a segment (started plain, P = 0.3 and 0.5 stayed plain where
+  depth 1 and 2 were 8% and 27% faster). Drafts kept take it deeper within a few cycles (an
+  unreached position is assumed as good as the one before it).
 * **Capture cost**: the first cycle at a depth captures that depth's CUDA graphs unless the
   stack kept from the last generation has them (``ready``, ``engine/held.py``): about 75 ms for
   the 9B verify step on an H100, some 20 plain steps. ``CycleCosts.capture()`` is the smallest
@@ -31,21 +30,25 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   saves over the expected rest of the generation exceeds that cost: ``HORIZON_MIN`` tokens, or
   more when the tokens made so far, or what the last generation of the same model made beyond
   them, say so; at most the room left.
-* **Switching**: to the best depth when it is ``HYSTERESIS`` better than the current one
-  (``HYSTERESIS_PLAIN`` from drafting to plain steps, whose hidden states, probes and rare
-  observations the rate leaves out; and, for a depth not yet run, worth its capture). At depth 0
-  the controller asks for a plain segment of ``segment_length()`` tokens; after it,
-  ``shadow_depth()`` drafts are made by the MTP head (no verify step, so no verify graph to
-  capture) and compared with the next segment's first tokens: the chance that a point-mass draft
-  equals the token the model draws is the chance the verify would accept it, so each comparison is
-  an unbiased observation of the acceptance (drafts sampled from the head, ``mtp_draft="sample"``,
-  are scored the same way: an estimate, not exact). A shadow probe with no draft kept doubles the
-  segment (up to ``MAX_SEGMENT``), a kept one resets it to the shortest segment, ``FIRST_SEGMENT``
-  tokens or as many as keep the probes' wall time (``CycleCosts.probe``, the median of the last
-  ones) within ``PROBE_SHARE`` of the plain steps' (on an H100, drafts kept 30% of the time and a
-  segment of 32 after each kept one left a 9B generation that stayed plain at 0.90x MTP off). Every
-  ``DEEPER_EVERY`` cycles at depth k < max whose last drafts are mostly kept, one cycle runs at k +
-  1 when that is worth its capture (its cost is then timed, not guessed).
+* **Switching**: to the best depth when it is ``HYSTERESIS`` better than the current one (for a
+  depth not yet run, also worth its capture). From drafting to plain steps only when plain steps
+  beat every depth even at the acceptance's upper bound (``upper``, ``LEAVE_Z`` standard errors up):
+  plain segments observe the acceptance once a probe, so leaving on a dip of the estimate lasts
+  (H100, sampled, 35% kept: depth 1 4% ahead of plain steps, a generation that left it stayed plain
+  at 0.95x the best depth); drafts never kept still leave within a few cycles. At depth 0 the
+  controller asks for a plain segment of ``segment_length()`` tokens; after it, ``shadow_depth()``
+  drafts are made by the MTP head (no verify step, so no verify graph to capture) and compared with
+  the next segment's first tokens: the chance that a point-mass draft equals the token the model
+  draws is the chance the verify would accept it, so each comparison is an unbiased observation of
+  the acceptance (drafts sampled from the head, ``mtp_draft="sample"``, are scored the same way: an
+  estimate, not exact). A shadow probe with no draft kept doubles the segment (up to
+  ``MAX_SEGMENT``), a kept one resets it to the shortest segment, ``FIRST_SEGMENT`` tokens or as
+  many as keep the probes' wall time (``CycleCosts.probe``, the median of the last ones) within
+  ``PROBE_SHARE`` of the plain steps' (H100: a segment of 32 after each kept probe, 30% kept, stayed
+  plain at 0.90x MTP off). A probe whose drafts were all kept returns to depth 1, whose cycles
+  observe the acceptance every time (the text may have become predictable). Every ``DEEPER_EVERY``
+  cycles at depth k < max whose last drafts are mostly kept, one cycle runs at k + 1 when that is
+  worth its capture (its cost is then timed, not guessed).
 
 The choice depends on past acceptance and wall times only, never on a token being drawn, so the
 output distribution (and greedy's tokens) are those of any fixed depth.
@@ -63,7 +66,7 @@ PRIOR_FIRST = 0.5
 PRIOR_SLOPE = 0.2
 WINDOW = 9
 HYSTERESIS = 1.02
-HYSTERESIS_PLAIN = 1.1
+LEAVE_Z = 1.25
 FIRST_SEGMENT = 32
 MAX_SEGMENT = 256
 DEEPER_EVERY = 24
@@ -82,8 +85,6 @@ class CycleCosts:
         self._seen: dict[int, deque] = {}
         self._captures: deque = deque(maxlen=WINDOW)
         self._probes: deque = deque(maxlen=WINDOW)
-        #: the depth the last generation ended at (its controller's choice), None before one ran
-        self.last_depth: int | None = None
         #: the tokens the last generation made (0 before one ran)
         self.last_tokens = 0
 
@@ -159,11 +160,11 @@ class DepthController:
     ``shadow(depth, matched)`` once the next segment's tokens are known. ``summary()`` for the stats.
     """
 
-    def __init__(self, max_depth: int, costs: CycleCosts, start: int | None = None, ready: set[int] = frozenset()):
+    def __init__(self, max_depth: int, costs: CycleCosts, ready: set[int] = frozenset()):
         self.max_depth = max_depth
         self.ready = set(ready)  # depths whose graphs exist before this generation (a kept stack's)
         self.costs = costs
-        self.depth = min(max(1, start or 1), max_depth)
+        self.depth = 1
         self._reached = [0.0] * (max_depth + 1)  # decayed counts, index = draft position (1-based)
         self._kept = [0.0] * (max_depth + 1)
         self.histogram = [0] * (max_depth + 1)  # cycles (plain: tokens) run at each depth
@@ -190,6 +191,12 @@ class DepthController:
             out.append(a)
             prior = a
         return out
+
+    def upper(self) -> list[float]:
+        """``acceptance()`` with each position raised by ``LEAVE_Z`` standard errors, ``sqrt(a (1 - a)
+        / n)`` with ``n`` its decayed count of drafts reached plus the prior's weight; at most 1."""
+        a, n = self.acceptance(), [r + PRIOR_WEIGHT for r in self._reached]
+        return [1.0] + [min(1.0, a[j] + LEAVE_Z * math.sqrt(a[j] * (1.0 - a[j]) / n[j])) for j in range(1, len(a))]
 
     def expected_tokens(self, depth: int, acceptance: list[float] | None = None) -> float:
         """``E_depth``: tokens a cycle at ``depth`` yields on average."""
@@ -233,11 +240,14 @@ class DepthController:
         return depth == self.depth or self.histogram[depth] > 0 or depth in self.ready
 
     def worth(self, depth: int, a: list[float]) -> bool:
-        """Whether running ``depth`` instead of the current depth pays: by ``HYSTERESIS`` (to plain
-        steps from drafting: ``HYSTERESIS_PLAIN``), and for a depth without graphs by more than its
-        capture over ``horizon()`` tokens."""
+        """Whether running ``depth`` instead of the current depth pays: by ``HYSTERESIS``, and for a
+        depth without graphs by more than its capture over ``horizon()`` tokens; plain steps instead
+        of drafting only when they beat every depth at the acceptance's upper bound (``upper``)."""
+        if depth == 0 < self.depth:
+            u = self.upper()
+            return self.rate(0, u) > max(self.rate(k, u) for k in range(1, self.max_depth + 1))
         now, then = self.rate(self.depth, a), self.rate(depth, a)
-        if then <= (HYSTERESIS_PLAIN if depth == 0 < self.depth else HYSTERESIS) * now:
+        if then <= HYSTERESIS * now:
             return False
         if self.captured(depth):
             return True
@@ -248,9 +258,7 @@ class DepthController:
         a = self.acceptance()
         best = self.best()
         if best != self.depth and self.worth(best, a):
-            if len(self._switches) < 64:
-                self._switches.append({"at": self.tokens, "from": self.depth, "to": best, **self._estimates(a)})
-            self.depth = best
+            self._switch(best, a)
         if self.depth == 0:
             self.off_reason = (f"drafts were rarely accepted (estimated {100 * a[1]:.0f}% at the first position): "
                                f"plain steps, probing every {self._segment} tokens")
@@ -261,6 +269,11 @@ class DepthController:
             if self.captured(deeper) or self.horizon() * (1 / self.rate(self.depth, a) - 1 / self.rate(deeper, a)) \
                     > self.costs.capture():
                 self._next = deeper
+
+    def _switch(self, depth: int, a: list[float]) -> None:
+        if len(self._switches) < 64:
+            self._switches.append({"at": self.tokens, "from": self.depth, "to": depth, **self._estimates(a)})
+        self.depth = depth
 
     # ------------------------------------------------------------------ observations
     def _observe(self, depth: int, accepted: int) -> None:
@@ -310,10 +323,13 @@ class DepthController:
 
     def shadow(self, depth: int, matched: int) -> None:
         """A shadow probe's ``depth`` drafts: the first ``matched`` equal the tokens the model then
-        drew. Observed as a cycle's acceptance (untimed); sets the next segment's length."""
+        drew. Observed as a cycle's acceptance (untimed); sets the next segment's length; all of them
+        kept: back to depth 1."""
         self._observe(depth, matched)
         self._segment = self.shortest_segment() if matched else min(2 * self._segment, MAX_SEGMENT)
         self._decide()
+        if matched == depth and self.depth == 0 and self.captured(1):
+            self._switch(1, self.acceptance())
 
     def shortest_segment(self) -> int:
         """``FIRST_SEGMENT``, or the plain tokens whose time a probe's is ``PROBE_SHARE`` of when

@@ -27,7 +27,6 @@ class StandIn:
 
     def __init__(self, slope: float, capture: float = 0.0):
         self.slope, self._capture = slope, capture
-        self.last_depth = None  # each generation starts afresh (at depth 1)
         self.last_tokens = 0
 
     def estimate(self, depth: int) -> float:
@@ -113,9 +112,13 @@ def test_controller_settles_on_the_oracle_depth(acceptance, slope):
     share = late.count(want) / len(late)
     assert share > 0.8, (want, {k: late.count(k) for k in set(late)})
     assert controller.best() == want
-    if want == 0:  # settled within the probe window: plain within 6 cycles, then plain but for rare cycles
+    if want == 0:  # settled within the probe window: plain within 8 cycles (24 when 5% are kept: a kept
+        # draft lifts the bound), then plain but for rare cycles (depth 1 costs 1.2 plain steps: plain
+        # once the first draft's upper bound is under 0.2, which 7 rejected drafts reach from the prior
+        # 0.5: 0.5 / 7.2 + 1.25 * sqrt(0.069 * 0.931 / 7.2) = 0.19)
         start = depths.index(0)
-        assert start <= 6 and depths[start:start + mtp_auto.FIRST_SEGMENT] == [0] * mtp_auto.FIRST_SEGMENT
+        first = depths[start:start + mtp_auto.FIRST_SEGMENT]
+        assert start <= (8 if max(acceptance) == 0 else 24) and first == [0] * mtp_auto.FIRST_SEGMENT
         assert share > 0.95
 
 
@@ -187,7 +190,8 @@ def test_auto_at_p0_settles_on_plain_steps(model, rng, stand_in):
     st = res.stats
     assert st.accepted == 0 and st.mtp_auto and st.mtp_depth == 5
     cycles = sum(n for k, n in st.mtp_depths.items() if k)
-    assert st.mtp_depths[0] >= 56 and cycles <= 6, st.mtp_depths  # cycles until plain is HYSTERESIS_PLAIN ahead
+    # cycles until plain steps are ahead even at the acceptance's upper bound (7-8 rejected drafts)
+    assert st.mtp_depths[0] >= 54 and cycles <= 8, st.mtp_depths
     assert st.mtp_off and "rarely accepted" in st.mtp_off
 
 
@@ -251,28 +255,28 @@ def test_auto_with_the_real_head_and_real_timings(model, rng):
     assert len(st.mtp_acceptance) == 5 and st.mtp_acceptance[0] is not None
 
 
-def test_next_generation_starts_at_the_last_depth(model, rng, monkeypatch):
-    """The cost book remembers the depth a generation ended at; the next one of the same model
-    starts there: drafting deep at once after a predictable text; after the opposite at depth 1
-    (never plain: a cycle observes the acceptance, a plain segment once), plain within a few cycles."""
+def test_every_generation_starts_at_depth_1(model, rng, monkeypatch):
+    """Whatever the last generation of the same model did, the next starts at depth 1: after a
+    predictable text (every draft kept) it is back at depth 5 within a few cycles; after one whose
+    drafts were never kept, it drafts until plain steps are ahead (never starting plain: a plain
+    segment observes the acceptance once), then runs plain."""
     book = StandIn(0.2)
     monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: book)
     m, d = model
     prompt = torch.randn(5, d["hidden_size"], generator=rng)
     off = _run(m, prompt, "off", n=48)
-    right = acceptance_hook(off.tokens, 1.0, vocab=d["vocab_size"])
-    first = _run(m, prompt, "auto", right, n=48)
-    assert book.last_depth == 5 and set(first.stats.mtp_depths) > {5}, first.stats.mtp_depths
+    first = _run(m, prompt, "auto", acceptance_hook(off.tokens, 1.0, vocab=d["vocab_size"]), n=48)
+    assert set(first.stats.mtp_depths) > {5}, first.stats.mtp_depths
     again = _run(m, prompt, "auto", acceptance_hook(off.tokens, 1.0, vocab=d["vocab_size"]), n=48)
+    moves = again.stats.mtp_trace["switches"]
+    assert again.tokens == off.tokens and moves[0]["from"] == 1, moves
     shallow = sum(n for k, n in again.stats.mtp_depths.items() if k < 5)
-    assert again.tokens == off.tokens and shallow <= 1, again.stats.mtp_depths  # at most the last, short cycle
-    wrong = acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"])
-    plain = _run(m, prompt, "auto", wrong, n=48)
-    assert book.last_depth == 0
+    assert again.stats.mtp_depths[1] >= 1 and shallow <= 6, again.stats.mtp_depths
+    _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=48)
     later = _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=48)
     assert later.tokens == off.tokens
-    assert 5 in plain.stats.mtp_depths and set(later.stats.mtp_depths) == {0, 1}, later.stats.mtp_depths
-    assert later.stats.mtp_depths[0] >= 40, later.stats.mtp_depths
+    assert set(later.stats.mtp_depths) == {0, 1} and later.stats.mtp_depths[1] <= 8, later.stats.mtp_depths
+    assert later.stats.mtp_depths[0] >= 38, later.stats.mtp_depths
 
 
 def test_a_new_depth_must_be_worth_its_capture():
@@ -282,7 +286,7 @@ def test_a_new_depth_must_be_worth_its_capture():
     once the generation has made enough tokens that the rest is expected to repay the capture it
     leaves; with only 300 tokens of room it never does; a capture of 20 steps is worth it at once."""
     def tokens_at_depth_1(capture: float, room: int | None = None) -> int:
-        controller = DepthController(5, StandIn(0.2, capture=capture), start=1)
+        controller = DepthController(5, StandIn(0.2, capture=capture))
         controller.room = room
         depths = simulate(controller, [1.0] * 5, 300, seed=0)
         return next((i for i, k in enumerate(depths) if k != 1), len(depths))
@@ -320,7 +324,7 @@ def test_the_last_generation_length_sets_the_horizon():
     pays at once (0.267 * 1000 > 100)."""
     costs = StandIn(0.2, capture=100.0)
     costs.last_tokens = 1000
-    controller = DepthController(5, costs, start=1)
+    controller = DepthController(5, costs)
     depths = simulate(controller, [1.0] * 5, 100, seed=0)
     assert next(i for i, k in enumerate(depths) if k != 1) <= 12, depths[:20]
 
@@ -328,10 +332,9 @@ def test_the_last_generation_length_sets_the_horizon():
 def test_shadow_probes_bring_drafting_back(model, rng, monkeypatch):
     """A text whose drafts are wrong for its first 12 tokens and right after: the generation leaves
     depth 1 for plain steps, the shadow drafts after the first segment match the next segment's
-    tokens, and drafting resumes after it, with no probe cycle; greedy stays exact. A generation
-    after one that ended plain starts at depth 1 and leaves it within a few cycles."""
+    tokens, and drafting resumes after it at depth 1 (then deeper), with no probe cycle; greedy stays
+    exact. A generation after one that ended plain starts at depth 1 and leaves it within a few cycles."""
     book = StandIn(0.2)
-    book.last_depth = 0
     monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: book)
     m, d = model
     prompt = torch.randn(5, d["hidden_size"], generator=rng)
@@ -341,11 +344,12 @@ def test_shadow_probes_bring_drafting_back(model, rng, monkeypatch):
     res = _run(m, prompt, "auto", lambda pos: wrong(pos) if pos < 12 else right(pos), n=120)
     st = res.stats
     assert res.tokens == off.tokens
-    assert st.mtp_depths[0] == 2 * mtp_auto.FIRST_SEGMENT and st.mtp_depths.get(5, 0) >= 6, st.mtp_depths
-    book.last_depth = 0
+    # the first probe is scored by the segment after it: two segments, then depth 1 and deeper
+    assert st.mtp_depths[0] == 2 * mtp_auto.FIRST_SEGMENT and st.mtp_depths.get(5, 0) >= 4, st.mtp_depths
+    assert res.stats.mtp_trace["switches"][1]["to"] == 1, res.stats.mtp_trace["switches"]
     never = _run(m, prompt, "auto", acceptance_hook(off.tokens, 0.0, vocab=d["vocab_size"]), n=120)
     cycles = sum(n for k, n in never.stats.mtp_depths.items() if k)
-    assert never.tokens == off.tokens and cycles <= 6, never.stats.mtp_depths
+    assert never.tokens == off.tokens and cycles <= 8, never.stats.mtp_depths
 
 
 def test_a_segment_catch_up_in_chunks_equals_one_forward(model, rng, monkeypatch):
@@ -393,7 +397,62 @@ def test_a_small_gain_keeps_drafting():
     ``HYSTERESIS_PLAIN`` most of the tokens are drafted at depth 1 (over 10 seeds)."""
     shares = []
     for seed in range(10):
-        controller = DepthController(5, StandIn(0.256), start=1)
+        controller = DepthController(5, StandIn(0.256))
         depths = simulate(controller, [0.35] * 5, 300, seed=seed)[:400]
         shares.append(sum(k == 1 for k in depths) / len(depths))
     assert sum(shares) / len(shares) > 0.6, shares
+
+
+class Measured(StandIn):
+    """The H100's wall times per cycle (9B int8 file, sampled, ``comfy_e2e.py --accept``): a plain
+    step 3.72 ms, depth 1..5 4.82, 5.40, 6.05, 6.72, 7.52 ms."""
+
+    COSTS = (3.72, 4.82, 5.40, 6.05, 6.72, 7.52)
+
+    def __init__(self):
+        super().__init__(0.0)
+
+    def estimate(self, depth: int) -> float:
+        return self.COSTS[depth]
+
+
+def rate_against_best(kept: float, seed: int, tokens: int = 300, probe_ms: float = 5.0) -> float:
+    """Tokens per ms of ``mtp="auto"`` over ``tokens`` tokens on ``Measured`` costs, each draft kept
+    with probability ``kept`` (a shadow probe costing ``probe_ms``), over the best fixed choice's
+    expected rate (plain steps or depth k: ``sum_j kept**j, j = 0..k`` tokens per cycle)."""
+    rng, costs = random.Random(seed), Measured()
+    controller, made, ms = DepthController(5, costs), 0, 0.0
+
+    def drafts_kept(k: int) -> int:
+        n = 0
+        while n < k and rng.random() < kept:
+            n += 1
+        return n
+    while made < tokens:
+        controller.room = tokens - made
+        k = controller.choose()
+        if k == 0:
+            n = min(controller.segment_length(), tokens - made)
+            made, ms = made + n, ms + n * costs.COSTS[0]
+            controller.plain(n, None)
+            shadow = controller.shadow_depth()
+            if shadow:
+                controller.shadow(shadow, drafts_kept(shadow))
+                ms += probe_ms
+            continue
+        n = drafts_kept(k)
+        made, ms = made + n + 1, ms + costs.COSTS[k]
+        controller.cycle(k, n, None)
+    best = max(sum(kept ** j for j in range(k + 1)) / costs.COSTS[k] for k in range(6))
+    return made / ms / best
+
+
+@pytest.mark.parametrize("kept", [0.0, 0.2, 0.3, 0.35, 0.5, 0.9])
+def test_auto_is_near_the_best_choice_on_the_h100_costs(kept):
+    """The issue's target (auto >= 0.97x the best of off and depths 1..5) on the H100's measured
+    costs, over 40 simulated generations of 300 tokens (the median). At 35% kept (the sampled
+    ``--accept 0.3`` run's true acceptance) depth 1 is 4% ahead of plain steps; a controller that
+    left drafting whenever its decayed estimate dipped below the break-even stayed plain (0.95x,
+    measured and simulated alike)."""
+    ratios = sorted(rate_against_best(kept, seed) for seed in range(40))
+    assert ratios[len(ratios) // 2] >= 0.97, ratios
