@@ -20,6 +20,10 @@ the DynamicVRAM CLIP the patch reloads resident), then generated from in one pro
   by the token the target will choose (from the MTP-off run), so every draft is accepted: the
   speed of draft + verify without a trained head (the head still runs). This row calls
   ``engine.generate`` with the benchmark's draft hook, bound exactly as the patch binds;
+- ``pack-forced3-subset`` (kind ``forced3-subset``): the same with the drafts ranking the released
+  tokenizer's first 151,643 ids (``draft_vocab="subset"``, ``engine/draft_vocab.py``), what English,
+  Chinese and code text runs: the random weights' tokens spread over every id, so ``forced3``'s
+  default ``"auto"`` gives the cut up within its first tokens;
 - ``standalone``: the engine's own loader on the same file (after ComfyUI's copy is unloaded).
 
 Formats: ``bf16`` (manual_cast ops) and ``int8`` (``int8_tensorwise`` + ConvRot 256 per layer,
@@ -342,12 +346,12 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
     target = bridge.find_qwen35(patched)
     embeds, _ = bridge.prompt_embeds(target, tokens, comfy.model_management.get_torch_device())
     meta["prompt_tokens"] = n_prompt = int(embeds.shape[1])
-    if "forced3" in args.kinds:  # the first MTP generation compiles the 4-row kernels
+    for kind in [k for k in ("forced3", "forced3-subset") if k in args.kinds]:  # compiles the 4-row kernels
         drafts = forced_drafts(target, embeds, 40, greedy)
         clock.run(lambda: bridge.run_engine(target, embeds, max_length=64, mtp=3,
                                             mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0,
-                                            **greedy), 32)
-        first_use("first-use forced3", clock.last)
+                                            draft_vocab=forced_vocab(kind), **greedy), 32)
+        first_use(f"first-use {kind}", clock.last)
     from qwen35_fast.enhancer.prompt_enhancer import PRESETS
 
     sampled = dict(greedy, do_sample=True, **PRESETS["text-to-image"])
@@ -434,7 +438,8 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
 
     variants = dict(args.variants)
     for max_length in args.max_lengths:
-        order = [k for k in ("pack", "pack-sampled", "mtp-sampled", "pack-plain", "forced3", "core") if k in args.kinds
+        order = [k for k in ("pack", "pack-sampled", "mtp-sampled", "pack-plain", "forced3", "forced3-subset", "core")
+                 if k in args.kinds
                  and (k != "core" or max_length in args.core_max_lengths)]
         at = order.index("pack") + 1 if "pack" in order else 0  # next to the row they are compared with
         order[at:at] = [f"pack@{name}" for name in variants]
@@ -465,9 +470,9 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
                 variant = kind.partition("@")[2]
                 with launches(kind, variants.get(variant)):
                     tok_s = clock.run(lambda m=max_length: bridge.run_engine(
-                        target, embeds, max_length=m, mtp=3,
+                        target, embeds, max_length=m, mtp=3, draft_vocab=forced_vocab(kind),
                         mtp_draft=lambda pos: drafts[pos] if pos < len(drafts) else 0, **greedy), args.tokens)
-                row("pack-forced3" + (f"@{variant}" if variant else ""), max_length, tok_s)
+                row("pack-" + kind, max_length, tok_s)
     comfy.model_management.unload_all_models()
     patched = patched_mtp = target = embeds = clip = loaded = None
     gc.collect()
@@ -490,6 +495,11 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return rows
+
+
+def forced_vocab(kind: str) -> str:
+    """The ``draft_vocab`` a forced MTP-3 kind runs with: "subset" for ``forced3-subset``, else the default."""
+    return "subset" if kind.partition("@")[0] == "forced3-subset" else "auto"
 
 
 def forced_drafts(target, embeds, n: int, greedy: dict) -> list[int]:

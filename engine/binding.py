@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from ..kernels import MAX_DECODE_ROWS
 from .config import Qwen35Config
+from .draft_vocab import draft_ids, pad
 from .errors import Qwen35Error
-from .plain_weights import PlainLinear, StandaloneWeights, linear_rows
+from .plain_weights import PlainLinear, StandaloneWeights, first_rows, linear_rows
 
 #: ``weight_cast(module, h)`` -> context manager yielding the cast weight, or None (see ``bind``).
 WeightCast = Callable[[Any, torch.Tensor], AbstractContextManager]
@@ -48,6 +49,8 @@ class Qwen35Binding:
     ``plain_output``: the output projection as a ``PlainLinear`` for decode rows, set by the runner
     stack for one generation when its fused plan resolved it (None: the module is called);
     ``plain_embedding``: likewise the embedding table ``[V, H]`` read in place (None: the module).
+    ``draft_vocab``: the ids MTP drafts may rank (``engine/draft_vocab.py``): the first
+    ``draft_vocab`` (the released tokenizer's BPE ids), or None (all).
     """
 
     def __init__(self, transformer: Any, root: Any, config: Qwen35Config, weight_cast: WeightCast | None = None,
@@ -56,6 +59,7 @@ class Qwen35Binding:
         self.weight_cast = weight_cast
         self.weights = weights if weights is not None else StandaloneWeights()
         self.plain_output: PlainLinear | None = None
+        self.draft_vocab: int | None = draft_ids(config.vocab_size)
         self.plain_embedding: torch.Tensor | None = None
         self.root = root
         self.config = config
@@ -107,15 +111,34 @@ class Qwen35Binding:
         head = getattr(self.transformer, "lm_head", None)
         return head if head is not None else self.transformer.embed_tokens
 
-    def logits(self, h: torch.Tensor, *, cast: bool = True) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, *, cast: bool = True, vocab: int | None = None) -> torch.Tensor:
         """Output logits: h ``[B,S,H]`` -> float32 ``[B,S,V]`` (``cast=False``: in the dtype the
-        output projection computed them in, for an argmax, which the exact cast would not change)."""
-        return self._project(h).float() if cast else self._project(h)
+        output projection computed them in, for an argmax, which the exact cast would not change).
+        ``vocab``: only ids below it are ranked, the logits of the others are -inf; where the output
+        weight is read in place only its first ``vocab`` rows are read (a draft's projection)."""
+        if vocab is not None and vocab < self.config.vocab_size:
+            rows = self._plain(h)
+            rows = None if rows is None else first_rows(rows, vocab)  # views: nothing kept past the call
+            if rows is not None:
+                out = pad(linear_rows(h, rows), self.config.vocab_size)
+            else:
+                out = self._project(h)
+                out[..., vocab:] = float("-inf")
+        else:
+            out = self._project(h)
+        return out.float() if cast else out
 
-    def _project(self, h: torch.Tensor) -> torch.Tensor:
+    def _plain(self, h: torch.Tensor) -> PlainLinear | None:
+        """``plain_output`` where the decode-row product takes ``h``, else None (the module)."""
         plain = self.plain_output
         if plain is not None and h.shape[0] * h.shape[1] <= MAX_DECODE_ROWS and h.device == plain.weight.device \
                 and (plain.quantized or h.dtype == plain.weight.dtype):
+            return plain
+        return None
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        plain = self._plain(h)
+        if plain is not None:
             return linear_rows(h, plain)
         head = getattr(self.transformer, "lm_head", None)
         held = self._held_weight(head if head is not None else self.transformer.embed_tokens, h)

@@ -165,15 +165,16 @@ class Runner:
         return module if module is not None and module.argmax_reason(logits) is None else None
 
     def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor,
-                   row: torch.Tensor | None = None):
+                   row: torch.Tensor | None = None, vocab: int | None = None):
         """``mtp_forward``, then the output logits of its last row (the draft's): ``(normed
         [B,S,H], logits float32 [B,1,V])``. ``row`` (int64 ``[1]`` on the device): that row's
-        instead, ``(normed row [B,1,H], its logits [B,1,V])``, picked on the device."""
+        instead, ``(normed row [B,1,H], its logits [B,1,V])``, picked on the device. ``vocab``:
+        the draft vocabulary (``binding.logits``; None: every id)."""
         out = self.mtp_forward(hidden, emb, pos)
         if row is not None:
             out = out.index_select(1, row)
-            return out, self.binding.logits(out)
-        return out, self.binding.logits(out[:, -1:])
+            return out, self.binding.logits(out, vocab=vocab)
+        return out, self.binding.logits(out[:, -1:], vocab=vocab)
 
     def mtp_forward(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Stage S rows of the MTP head in ``cache.mtp``: hidden, emb ``[B,S,H]`` -> normed ``[B,S,H]``.

@@ -20,6 +20,7 @@ import torch
 
 from . import held
 from .binding import Qwen35Binding, bind
+from .draft_vocab import DraftVocab
 from .mtp_auto import DepthController, FixedDepth, cycle_costs
 from .readback import Readback
 from .request import GenerationRequest
@@ -42,6 +43,7 @@ class GenerationStats:
     ``mtp_acceptance``: per draft position, the share of drafts kept where the ones before were
     (None where never reached); ``mtp_off``: why ``mtp="auto"`` ran plain steps, or None;
     ``mtp_trace``: ``mtp="auto"``'s ``DepthController.trace()`` (wall time per depth, switches), or None;
+    ``draft_vocab``: which ids the drafts ranked (``DraftVocab.describe``), None for all of them;
     ``attention_backend``: the decode-attention backend used; ``decode_path``: the runner's
     (``stack.build_runner``: Triton kernels or module calls, CUDA graphs or not, and why).
     """
@@ -60,6 +62,7 @@ class GenerationStats:
     mtp_acceptance: list = field(default_factory=list)
     mtp_off: str | None = None
     mtp_trace: dict | None = None
+    draft_vocab: str | None = None
     attention_backend: str = ""
     decode_path: str = ""
 
@@ -83,7 +86,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
              callback: Callable[[list[int], list[int], GenerationStats], None] | None = None,
              mtp_draft: str | Callable[[int], int] = "argmax", cache_fill: float | None = None,
              cuda_graphs: bool | str = "auto", fused: bool | str = "auto",
-             weight_cast: Callable | None = None, weights=None) -> GenerationResult:
+             weight_cast: Callable | None = None, weights=None, draft_vocab: str = "auto") -> GenerationResult:
     """Generate up to ``max_length`` tokens after a prompt given as embeddings.
 
     embeds ``[T,H]`` or ``[1,T,H]`` float (batch 1), on the device to run on. ``position_ids``:
@@ -96,6 +99,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     ``mtp_draft``: "argmax" (point-mass drafts, default) or "sample" (drafts drawn from the head's
     filtered distribution; acceptance min(1, p/q)); benchmarks may pass ``fn(position) -> token``,
     whose token replaces each draft after the head ran (forced acceptance when it knows the answer).
+    ``draft_vocab``: which ids drafts rank, "auto" (the released tokenizer's first 151,643 while the
+    text stays in them), "subset" (those throughout) or "full" (``engine/draft_vocab.py``).
     ``attention``: a ``kernels.decode_attention`` backend. ``cuda_graphs``: "auto" (replay CUDA
     graphs for decode, draft and verify steps when the device, backend and weight placement allow;
     otherwise eager, with the reason logged once), True (require them) or False.
@@ -118,7 +123,7 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
         min_tokens=min_tokens, presence_penalty=presence_penalty, initial_tokens=initial_tokens, mtp=mtp,
         position_ids=position_ids, attention=attention, execution_dtype=execution_dtype, mtp_draft=mtp_draft,
-        cache_fill=cache_fill, cuda_graphs=cuda_graphs, fused=fused)
+        cache_fill=cache_fill, cuda_graphs=cuda_graphs, fused=fused, draft_vocab=draft_vocab)
     backend = attention_backend(req.attention, binding.config, req.dtype, req.device)
     keep = req.cache_fill is None
     runner = build_runner(binding, capacity=held.rounded_capacity(req.capacity) if keep else req.capacity,
@@ -177,9 +182,12 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
     # MTP catch-up rows: true hidden states and the embedding of the token that follows each.
     first = pre if binding.mtp_hidden == "prenorm" else hidden
     catch = [(first, torch.cat([req.embeds[:, 1:], binding.embed(token_ids([token], device), dtype, device)], dim=1))]
+    vocab = DraftVocab(req.draft_vocab, binding.draft_vocab)
+    vocab.see(list(sampler.generated))
     try:
-        stop = _speculate(binding, runner, sampler, positions, req, stats, report, control, catch)
+        stop = _speculate(binding, runner, sampler, positions, req, stats, report, control, catch, vocab)
     finally:
+        stats.draft_vocab = vocab.describe()
         if req.mtp_auto:
             costs.last_tokens = control.tokens
         summary = control.summary()
@@ -195,7 +203,7 @@ def _ready(runner) -> set[int]:
 
 
 def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowPositions, req: GenerationRequest,
-               stats: GenerationStats, report, control, catch: list) -> str:
+               stats: GenerationStats, report, control, catch: list, vocab: DraftVocab) -> str:
     """The MTP loop: before each cycle ``control`` names its depth k (``mtp_auto.FixedDepth`` or
     ``DepthController``); k > 0 drafts k tokens and verifies them, 0 runs a plain segment
     (``_decode_ahead`` keeping its hidden states, which join ``catch``, the MTP head's pending
@@ -209,7 +217,8 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
     to ``control``, except a cycle that captured graphs (the first at its depth: passed as
     ``first_seconds``) or caught up after a plain segment. After a plain segment the head catches
     up and makes ``control.shadow_depth()`` drafts without a verify; the next segment's first
-    tokens score them (``control.shadow``)."""
+    tokens score them (``control.shadow``). Drafts rank the ids ``vocab.rows`` says, which
+    ``vocab.see`` updates from the tokens made."""
     device, dtype, cache = runner.device, runner.dtype, runner.cache
     max_length, use_prenorm = req.max_length, binding.mtp_hidden == "prenorm"
     pinned = torch.empty(3 * req.mtp_depth + 2, dtype=torch.int64, pin_memory=True) \
@@ -236,6 +245,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
             if shadow is not None and len(new) >= len(shadow):
                 control.shadow(len(shadow), next((i for i, t in enumerate(shadow) if t != new[i]), len(shadow)))
             shadow = None
+            vocab.see(new)
             if stop == "stop_token" or len(sampler.generated) >= max_length:
                 return stop
             if not catch:
@@ -246,7 +256,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
                 probe = time.perf_counter()
                 hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
                 drafts, _ = draft(binding, runner, sampler, positions, hid, emb, mtp_start, cache.length, depth,
-                                  chunk=req.mtp_depth + 1)
+                                  chunk=req.mtp_depth + 1, vocab=vocab.rows)
                 catch, shadow = [], drafts.tolist()
                 control.probed(time.perf_counter() - probe)
             pending_id, clock = None, time.perf_counter()
@@ -259,7 +269,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         if drafted is None:
             hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
             drafted = draft(binding, runner, sampler, positions, hid, emb, mtp_start, length, k,
-                            chunk=req.mtp_depth + 1)
+                            chunk=req.mtp_depth + 1, vocab=vocab.rows)
             catch, timed = [], False
         (drafts, qs), drafted = drafted, None
         stats.drafted += k
@@ -270,7 +280,8 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         verdict = judge(sampler, logits, drafts, qs, pinned)
         ahead = None
         if room > 1:  # the next cycle can draft: keep the MTP head in step with the verify's rows
-            ahead = catch_up(binding, runner, positions, pre if use_prenorm else hidden, verdict, length)
+            ahead = catch_up(binding, runner, positions, pre if use_prenorm else hidden, verdict, length,
+                             vocab=vocab.rows)
         new, accepted, pending_id = settle(verdict)
         stats.accepted += accepted
         now = time.perf_counter()
@@ -281,12 +292,14 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         if stop_at is not None:
             new = new[:stop_at + 1]
         sampler.accept(new)
+        vocab.see(new)
         if ahead is not None:
             cache.mtp.commit(1 + accepted)  # the catch-up rows the verify kept
             mtp_start = length + 1 + accepted
             k_next = min(control.choose(), max_length - len(sampler.generated) - 1)
             if stop_at is None and k_next > 0:
-                drafted = draft_from(binding, runner, sampler, positions, *ahead, length + 1 + accepted, k_next)
+                drafted = draft_from(binding, runner, sampler, positions, *ahead, length + 1 + accepted, k_next,
+                                     vocab=vocab.rows)
         cache.commit(1 + accepted)
         report(new)
         if stop_at is not None:

@@ -195,14 +195,15 @@ class GraphRunner:
         return self._run("main+tokenh", ids, pos)
 
     def mtp_logits(self, hidden: torch.Tensor, emb: torch.Tensor, pos: torch.Tensor,
-                   row: torch.Tensor | None = None):
+                   row: torch.Tensor | None = None, vocab: int | None = None):
         """Same contract as ``Runner.mtp_logits``; the output projection (and the pick of ``row``)
-        is in the graph."""
+        is in the graph, one graph per draft vocabulary (kind ``mtp+logits/<vocab>``)."""
         if hidden.shape[1] > MAX_DECODE_ROWS:
-            return self.runner.mtp_logits(hidden, emb, pos, row=row)
+            return self.runner.mtp_logits(hidden, emb, pos, row=row, vocab=vocab)
+        cut = "" if vocab is None else f"/{vocab}"
         if row is not None:
-            return self._run("mtp+row", hidden, pos, emb, row)
-        return self._run("mtp+logits", hidden, pos, emb)
+            return self._run("mtp+row" + cut, hidden, pos, emb, row)
+        return self._run("mtp+logits" + cut, hidden, pos, emb)
 
     # ------------------------------------------------------------------ internals
     def ready_depths(self) -> set[int]:
@@ -263,10 +264,10 @@ class GraphRunner:
     def _eager(self, kind: str, inputs):
         if kind == "mtp":
             return (self.runner.mtp_forward(inputs[0], inputs[2], inputs[1]),)
-        if kind == "mtp+logits":
-            return self.runner.mtp_logits(inputs[0], inputs[2], inputs[1])
-        if kind == "mtp+row":
-            return self.runner.mtp_logits(inputs[0], inputs[2], inputs[1], row=inputs[3])
+        if kind.startswith("mtp+"):  # mtp+logits, mtp+row; /<vocab>: the draft vocabulary
+            step, _, cut = kind.partition("/")
+            row = inputs[3] if step == "mtp+row" else None
+            return self.runner.mtp_logits(inputs[0], inputs[2], inputs[1], row=row, vocab=int(cut) if cut else None)
         if kind == "main+logits":
             return self.runner.forward_logits(inputs[0], inputs[1])
         if kind == "main+token":

@@ -64,6 +64,17 @@ class PlainLinear:
         return str(self.weight.dtype).replace("torch.", "")
 
 
+def first_rows(w: PlainLinear, n: int) -> PlainLinear | None:
+    """The product of ``w``'s first ``n`` output rows, reading the same storage (views); None for a
+    4-bit weight, whose block scales are not stored row by row."""
+    if w.packed is not None:
+        return None
+    scale = w.scale
+    if scale is not None and scale.ndim and scale.shape[0] == w.weight.shape[0]:
+        scale = scale[:n]
+    return PlainLinear(w.weight[:n], scale, w.convrot, None if w.bias is None else w.bias[:n])
+
+
 def split_of(w: PlainLinear, rows: int) -> int:
     """The launch table's K ranges for ``w``'s product of ``rows`` rows whose consumer sums partials."""
     from ..kernels import launch

@@ -49,7 +49,8 @@ CHUNKED_MAX = 512
 
 
 def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hidden: torch.Tensor,
-          catchup_emb: torch.Tensor, mtp_start: int, length: int, k: int, chunk: int = 1):
+          catchup_emb: torch.Tensor, mtp_start: int, length: int, k: int, chunk: int = 1,
+          vocab: int | None = None):
     """Run the MTP head over the catch-up rows (``catchup_hidden``, ``catchup_emb`` ``[1,R,H]``,
     starting at row ``mtp_start``) and draft k tokens after the pending token at row ``length``.
 
@@ -62,7 +63,8 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     Returns ``(drafts, qs)``: the k token ids as int64 ``[k]`` on the device (each draft is embedded
     for the next from there, so drafting never waits for the host) and, for each, the draft
     distribution ``[V]`` when drafts are sampled (``mtp_draft="sample"``), else None (point-mass
-    drafts). The MTP cache ends at ``length`` rows.
+    drafts). The MTP cache ends at ``length`` rows. ``vocab``: the draft vocabulary (drafts rank
+    ids below it; None: all, ``engine/draft_vocab.py``).
     """
     rows = catchup_hidden.shape[1]
     first = 0
@@ -75,26 +77,27 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
             runner.cache.mtp.commit()
             first += n
     out, logits = runner.mtp_logits(catchup_hidden[:, first:], catchup_emb[:, first:],
-                                    positions.rows(mtp_start + first, rows - first))
+                                    positions.rows(mtp_start + first, rows - first), vocab=vocab)
     runner.cache.mtp.commit()
-    return draft_from(binding, runner, sampler, positions, out[:, -1:], logits, length, k)
+    return draft_from(binding, runner, sampler, positions, out[:, -1:], logits, length, k, vocab=vocab)
 
 
-def catch_up(binding, runner, positions: RowPositions, hidden: torch.Tensor, verdict: Verdict, start: int):
+def catch_up(binding, runner, positions: RowPositions, hidden: torch.Tensor, verdict: Verdict, start: int,
+             vocab: int | None = None):
     """The MTP head over every row of a verify step, launched before the host knows how many of
     them were kept: hidden ``[1,k+1,H]`` (the verify's true hidden states, rows from ``start``), each
     paired with the embedding of the step's new token at that row (``verdict.new_ids``). Rows after
     the accepted ones see only rows before them (causal), so the kept rows come out as a catch-up
     over just those would give them; the rest are dropped by the caller's ``commit(accepted + 1)``.
     Returns ``(row, logits)``: the head's output ``[1,1,H]`` and logits ``[1,1,V]`` of the last kept
-    row (``verdict.accepted``, chosen on the device), for ``draft_from``. The k+1 rows stay staged
-    in the MTP cache."""
+    row (``verdict.accepted``, chosen on the device), for ``draft_from``, over the draft vocabulary
+    ``vocab``. The k+1 rows stay staged in the MTP cache."""
     emb = binding.embed(verdict.new_ids.view(1, -1), runner.dtype, runner.device)
-    return runner.mtp_logits(hidden, emb, positions.rows(start, hidden.shape[1]), row=verdict.accepted)
+    return runner.mtp_logits(hidden, emb, positions.rows(start, hidden.shape[1]), row=verdict.accepted, vocab=vocab)
 
 
 def draft_from(binding, runner, sampler: Sampler, positions: RowPositions, last: torch.Tensor,
-               logits: torch.Tensor, length: int, k: int):
+               logits: torch.Tensor, length: int, k: int, vocab: int | None = None):
     """Draft k tokens after the pending token at row ``length`` from the head's output ``last``
     ``[1,1,H]`` and logits ``[1,1,V]`` of the newest catch-up row (already committed to the MTP
     cache). Returns ``(drafts, qs)`` as ``draft`` does; the MTP cache ends at ``length`` rows."""
@@ -105,7 +108,7 @@ def draft_from(binding, runner, sampler: Sampler, positions: RowPositions, last:
     for j in range(k):
         if j:
             emb = binding.embed(drafts[-1].view(1, 1), dtype, device)
-            last, logits = runner.mtp_logits(last, emb, positions.rows(length - 1 + j, 1))
+            last, logits = runner.mtp_logits(last, emb, positions.rows(length - 1 + j, 1), vocab=vocab)
             mcache.commit()
         logits = sampler.mask(logits[0], len(sampler.generated) + j)
         qs.append(None)

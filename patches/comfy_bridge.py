@@ -18,13 +18,15 @@ from typing import Any
 from ..engine import ATTENTION_CHOICES, MTP_CHOICES, check_max_length, generate, parse_mtp
 from ..engine.config import RELEASED_STOP_TOKENS
 from . import comfy_weights
+from .stats_line import format_mtp, format_stats
 
 log = logging.getLogger(__name__)
 
 #: Key under ``clip.patcher.model_options`` where the pack records what it knows about a CLIP.
 INFO_KEY = "qwen35_fast"
 
-__all__ = ["ATTENTION_CHOICES", "MTP_CHOICES", "parse_mtp"]  # the nodes' options, from the engine
+__all__ = ["ATTENTION_CHOICES", "MTP_CHOICES", "parse_mtp",  # the nodes' options, from the engine
+           "format_mtp", "format_stats"]
 
 #: How the engine reads ComfyUI-loaded weights in place (one per process: it caches ConvRot matrices).
 WEIGHTS = comfy_weights.Resolver()
@@ -337,14 +339,14 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
                top_k: int, top_p: float, min_p: float, repetition_penalty: float, seed, presence_penalty: float,
                mtp="auto", attention: str = "auto", position_ids=None, stop_tokens=None, initial_tokens=(),
                min_tokens: int = 0, execution_dtype=None, decode=None, label: str = "Qwen3.5",
-               mtp_draft="argmax") -> TokenList:
+               mtp_draft="argmax", draft_vocab="auto") -> TokenList:
     """Generate with the engine on ComfyUI's loaded Qwen3.5, with progress/Cancel/preview and a log line.
 
     Arguments follow core ``BaseGenerate.generate``; ``seed=None`` (core's greedy call) means 0.
     The model is first made resident where ComfyUI left it partly loaded and VRAM allows
     (``comfy_weights.make_resident``; a DynamicVRAM CLIP is made resident by ``patch_clip``), and
     its weights are read in place by the decode kernels where they can be
-    (``comfy_weights.Resolver``). ``mtp_draft``: see ``engine.generate``
+    (``comfy_weights.Resolver``). ``mtp_draft``, ``draft_vocab``: see ``engine.generate``
     (benchmarks). Returns the token ids as a ``TokenList`` carrying the engine stats.
     """
     check_max_length(max_length)
@@ -361,7 +363,7 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
         stop_tokens=list(stop_tokens), min_tokens=int(min_tokens), presence_penalty=float(presence_penalty or 0.0),
         initial_tokens=list(initial_tokens or ()), mtp=parse_mtp(mtp), position_ids=position_ids,
         attention=attention, execution_dtype=execution_dtype, callback=progress, weight_cast=comfy_weight_cast,
-        weights=WEIGHTS, mtp_draft=mtp_draft)
+        weights=WEIGHTS, mtp_draft=mtp_draft, draft_vocab=draft_vocab)
     tokens = TokenList(result.tokens)
     tokens.stats = result.stats
     tokens.stop_reason = getattr(result, "stop_reason", None)
@@ -369,32 +371,3 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
     progress.finish(tokens, line)
     log.info("%s", line)
     return tokens
-
-
-def format_mtp(stats) -> str:
-    """The MTP part of the stats line: the depth (with ``mtp="auto"``: the cycles run at each depth,
-    plain tokens as depth 0, and why plain steps ran), acceptance overall and per draft position."""
-    overall = (f"acceptance {100.0 * (stats.acceptance_rate or 0.0):.1f}% "
-               f"({stats.accepted}/{stats.drafted} drafts")
-    per = [f"{100.0 * a:.0f}%" if a is not None else "-" for a in getattr(stats, "mtp_acceptance", None) or ()]
-    while per and per[-1] == "-":
-        per.pop()
-    overall += f"; by position {' '.join(per)})" if len(per) > 1 else ")"
-    if not getattr(stats, "mtp_auto", False):
-        return f"MTP depth {stats.mtp_depth}, {overall}"
-    depths = " ".join(f"{k}x{n}" for k, n in sorted((getattr(stats, "mtp_depths", None) or {}).items(),
-                                                       reverse=True))
-    off = f"; {stats.mtp_off}" if getattr(stats, "mtp_off", None) else ""
-    return f"MTP auto (depth x cycles, 0 x plain tokens: {depths}), {overall}{off}"
-
-
-def format_stats(label: str, stats, stop_reason=None) -> str:
-    """The node's status and log line: tokens, steps, MTP, tok/s, prefill, attention, decode path."""
-    if stats is None:
-        return f"{label}: done"
-    mtp = format_mtp(stats) if getattr(stats, "mtp_depth", 0) else "MTP off"
-    stop = f", stop: {stop_reason}" if stop_reason else ""
-    path = f"; {stats.decode_path}" if getattr(stats, "decode_path", "") else ""  # no Triton: how to get it
-    return (f"{label}: {stats.tokens} tokens in {stats.steps} steps, {mtp}, {stats.tok_per_s:.2f} tok/s "
-            f"(prefill {stats.prefill_s:.2f} s, decode {stats.decode_s:.2f} s, attention "
-            f"{stats.attention_backend}){stop}{path}")

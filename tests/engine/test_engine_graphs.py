@@ -431,3 +431,38 @@ def test_kept_graphs_serve_the_next_prompt(tmp_path, test_seed, fused):
     assert held.release_all() == 1
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= kept - cache
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subset_drafts_in_graphs(tmp_path, dtype, test_seed, monkeypatch):
+    """Drafts over the first 37 of 64 ids (an odd row count for the output GEMV), fused, with and
+    without graphs: MTP off's tokens, and no draft at or above the cut; the draft steps were
+    captured as their own graphs (``mtp+logits/37``)."""
+    import qwen35_fast.engine.binding as binding_module
+    from qwen35_fast.engine import generation
+
+    from tests.engine.test_draft_vocab import _drafts_seen
+
+    monkeypatch.setattr(binding_module, "draft_ids", lambda vocab_size: 37)
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda", dtype)
+    prompt = torch.randn(1, 19, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    kw = dict(do_sample=False, max_length=48, stop_tokens=[], fused=True)
+    off = generate(model, prompt.to(dtype), mtp="off", **kw)
+    seen = _drafts_seen(monkeypatch)
+    captured = []
+    real = generation.build_runner
+
+    def keep(*a, **k):
+        runner = real(*a, **k)
+        captured.append(runner)
+        return runner
+    monkeypatch.setattr(generation, "build_runner", keep)
+    for graphs in (False, True):
+        seen.clear()
+        res = generate(model, prompt.to(dtype), mtp=3, draft_vocab="subset", cuda_graphs=graphs, **kw)
+        assert res.tokens == off.tokens, graphs
+        assert seen and max(seen) < 37, (graphs, sorted(set(seen)))
+    kinds = {key[0] for key in getattr(captured[-1], "_graphs", {})}
+    assert {"mtp+logits/37", "mtp+row/37"} <= kinds, kinds

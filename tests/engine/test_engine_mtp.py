@@ -100,8 +100,8 @@ def test_drafts_follow_reference_head(mtp_model, rng, monkeypatch):
     seen = []
     real = speculative.draft_from
 
-    def spy(binding, runner, sampler, positions, last, logits, length, k):
-        drafts, qs = real(binding, runner, sampler, positions, last, logits, length, k)
+    def spy(binding, runner, sampler, positions, last, logits, length, k, vocab=None):
+        drafts, qs = real(binding, runner, sampler, positions, last, logits, length, k, vocab=vocab)
         seen.append((list(sampler.generated), length, drafts))
         return drafts, qs
 
@@ -225,9 +225,9 @@ def test_catch_up_runs_before_the_host_reads_the_verify(mtp_model, rng, monkeypa
     events = []
     real_head, real_values = Runner.mtp_logits, readback.Readback.values
 
-    def head(self, hidden, emb, pos, row=None):
+    def head(self, hidden, emb, pos, row=None, vocab=None):
         events.append(("head", hidden.shape[1], row is not None))
-        return real_head(self, hidden, emb, pos, row=row)
+        return real_head(self, hidden, emb, pos, row=row, vocab=vocab)
 
     def values(self):
         events.append(("read", self.n))

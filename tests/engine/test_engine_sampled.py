@@ -79,17 +79,24 @@ def _instance(tmp_path, rng, mtp, draft, tries: int = 8):
     return model, sd, d, prompt
 
 
-@pytest.mark.parametrize("mtp,draft", [("off", "argmax"), (2, "argmax"), (2, "sample"), ("auto", "argmax")])
-def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft, monkeypatch):
+@pytest.mark.parametrize("mtp,draft,vocab", [("off", "argmax", "full"), (2, "argmax", "full"), (2, "sample", "full"),
+                                             ("auto", "argmax", "full"), (2, "sample", "subset")])
+def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft, vocab, monkeypatch):
     """With ``mtp="auto"`` the depth of token 3 depends on whether token 2's draft was kept: plain
-    steps after a rejection, the verify's bonus row after an acceptance (both occur)."""
+    steps after a rejection, the verify's bonus row after an acceptance (both occur). With
+    ``draft_vocab="subset"`` (the first half of the ids) the drafts are drawn from the head's
+    distribution over those only, which the acceptance test uses: still the target's distribution."""
+    import qwen35_fast.engine.binding as binding
     import qwen35_fast.engine.generation as generation
 
     from tests.engine.test_mtp_auto import StandIn
 
-    # a cycle at depth k costs 1 + k / 2 plain steps and switching is free: one rejected draft sends
-    # the controller to plain steps and a kept one keeps it drafting
-    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: StandIn(0.5))
+    monkeypatch.setattr(binding, "draft_ids", lambda vocab_size: vocab_size // 2)
+
+    # a cycle at depth k costs 1 + 0.7 k plain steps and switching is free: one rejected draft sends
+    # the controller to plain steps (estimate 0.25, upper bound 0.63: 1.63 / 1.7 tokens a step) and a
+    # kept one keeps it drafting (0.75: 1.75 / 1.7)
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: StandIn(0.7))
     model, sd, d, prompt = _instance(tmp_path, rng, mtp, draft)
     ref = Reference(sd, d)
     v = d["vocab_size"]
@@ -99,7 +106,7 @@ def test_sampled_tokens_follow_target_distribution(tmp_path, rng, mtp, draft, mo
     accepted = drafted = switched = 0
     for run in range(RUNS):
         res = generate(model, prompt, do_sample=True, seed=run, max_length=4, mtp=mtp, mtp_draft=draft,
-                       stop_tokens=[], **PARAMS)
+                       stop_tokens=[], draft_vocab=vocab, **PARAMS)
         c2[res.tokens[1]] += 1
         c23[res.tokens[1] * v + res.tokens[2]] += 1
         accepted += res.stats.accepted

@@ -133,7 +133,7 @@ def test_depths_a_kept_stack_has_are_switched_to_at_once():
     the kept stack's graphs of depth 5 it goes there within a few cycles (once its estimates of the
     deeper positions have risen from the prior)."""
     def first_switch(ready) -> tuple[int, int]:
-        controller = DepthController(5, StandIn(0.2, capture=100.0), start=1, ready=ready)
+        controller = DepthController(5, StandIn(0.2, capture=100.0), ready=ready)
         depths = simulate(controller, [1.0] * 5, 300, seed=0)
         i = next((i for i, k in enumerate(depths) if k != 1), len(depths))
         return i, depths[i]
