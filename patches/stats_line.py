@@ -13,12 +13,12 @@ def format_mtp(stats) -> str:
     while per and per[-1] == "-":
         per.pop()
     overall += f"; by position {' '.join(per)})" if len(per) > 1 else ")"
-    off = "".join(f"; {t}" for t in (getattr(stats, "mtp_off", None), getattr(stats, "draft_vocab", None)) if t)
+    notes = "".join(f"; {t}" for t in (getattr(stats, "mtp_off", None), getattr(stats, "draft_vocab", None)) if t)
     if not getattr(stats, "mtp_auto", False):
-        return f"MTP depth {stats.mtp_depth}, {overall}{off}"
+        return f"MTP depth {stats.mtp_depth}, {overall}{notes}"
     depths = " ".join(f"{k}x{n}" for k, n in sorted((getattr(stats, "mtp_depths", None) or {}).items(),
                                                        reverse=True))
-    return f"MTP auto (depth x cycles, 0 x plain tokens: {depths}), {overall}{off}"
+    return f"MTP auto (depth x cycles, 0 x plain tokens: {depths}), {overall}{notes}"
 
 
 def format_stats(label: str, stats, stop_reason=None) -> str:

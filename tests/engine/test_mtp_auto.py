@@ -65,10 +65,13 @@ def oracle_depth(acceptance: list[float], slope: float, max_depth: int = 5) -> t
     return order[0], rates[order[0]] / rates[order[1]]
 
 
-def simulate(controller: DepthController, acceptance: list[float], cycles: int, seed: int) -> list[int]:
+def simulate(controller: DepthController, acceptance: list[float], cycles: int, seed: int, *,
+             tokens: int | None = None, ran: list[int] | None = None) -> list[int]:
     """Run the controller on a simulated head that keeps draft j with probability acceptance[j-1]
-    (given the ones before it were kept; a shadow probe's drafts likewise); returns the depth each
-    token was made at (0: plain)."""
+    (given the ones before it were kept; a shadow probe's drafts likewise) for ``cycles`` cycles
+    (a plain segment counts as one), or, with ``tokens``, until that many tokens (the controller
+    told the room left, the last segment cut to it); returns the depth each token was made at (0:
+    plain). ``ran``: each cycle's depth is appended to it, and 0 for each shadow probe."""
     rng = random.Random(seed)
 
     def kept(k: int) -> int:
@@ -78,19 +81,26 @@ def simulate(controller: DepthController, acceptance: list[float], cycles: int, 
         return accepted
 
     depths = []
+    ran = [] if ran is None else ran
     for _ in range(cycles):
+        if tokens is not None:
+            if len(depths) >= tokens:
+                break
+            controller.room = tokens - len(depths)
         k = controller.choose()
         if k == 0:
-            n = controller.segment_length()
+            n = controller.segment_length() if tokens is None else min(controller.segment_length(), controller.room)
             depths += [0] * n
             controller.plain(n, None)
             shadow = controller.shadow_depth()
             if shadow:
                 controller.shadow(shadow, kept(shadow))
+                ran.append(0)
             continue
         accepted = kept(k)
         depths += [k] * (accepted + 1)
         controller.cycle(k, accepted, None)
+        ran.append(k)
     return depths
 
 
@@ -420,31 +430,11 @@ def rate_against_best(kept: float, seed: int, tokens: int = 300, probe_ms: float
     """Tokens per ms of ``mtp="auto"`` over ``tokens`` tokens on ``Measured`` costs, each draft kept
     with probability ``kept`` (a shadow probe costing ``probe_ms``), over the best fixed choice's
     expected rate (plain steps or depth k: ``sum_j kept**j, j = 0..k`` tokens per cycle)."""
-    rng, costs = random.Random(seed), Measured()
-    controller, made, ms = DepthController(5, costs), 0, 0.0
-
-    def drafts_kept(k: int) -> int:
-        n = 0
-        while n < k and rng.random() < kept:
-            n += 1
-        return n
-    while made < tokens:
-        controller.room = tokens - made
-        k = controller.choose()
-        if k == 0:
-            n = min(controller.segment_length(), tokens - made)
-            made, ms = made + n, ms + n * costs.COSTS[0]
-            controller.plain(n, None)
-            shadow = controller.shadow_depth()
-            if shadow:
-                controller.shadow(shadow, drafts_kept(shadow))
-                ms += probe_ms
-            continue
-        n = drafts_kept(k)
-        made, ms = made + n + 1, ms + costs.COSTS[k]
-        controller.cycle(k, n, None)
+    costs, ran = Measured(), []
+    depths = simulate(DepthController(5, costs), [kept] * 5, 10**6, seed, tokens=tokens, ran=ran)
+    ms = depths.count(0) * costs.COSTS[0] + sum(costs.COSTS[k] if k else probe_ms for k in ran)
     best = max(sum(kept ** j for j in range(k + 1)) / costs.COSTS[k] for k in range(6))
-    return made / ms / best
+    return len(depths) / ms / best
 
 
 @pytest.mark.parametrize("kept", [0.0, 0.2, 0.3, 0.35, 0.5, 0.9])
