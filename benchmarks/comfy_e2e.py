@@ -586,7 +586,7 @@ def markdown(run: dict) -> str:
         lines[0] = lines[0].replace(", greedy", "")
         lines[2:] = ["MTP at forced acceptance P (tok/s; `--accept`):", "", table(run["rows"]), ""] + lines[2:]
     for r in run["rows"]:
-        if r["kind"] in ("profile", "prefill_profile", "accept") or r["kind"].startswith(("timeline", "host_profile")):
+        if r["kind"] in ("profile", "prefill_profile") or r["kind"].startswith(("timeline", "host_profile", "accept")):
             # lists, not timed rows
             continue
         if r["kind"].startswith("first-use"):  # a warm-up's wall time, below the table

@@ -10,11 +10,12 @@ large margin) and the prompt enhancer's text-to-image sampling (temperature 1, t
 always; each row records the acceptance it really got. Rows per mode and P, interleaved: off,
 depth 1..5, auto (its cost book warm from the earlier rows, as in a ComfyUI process that has
 generated before), after one short untimed generation of each per mode (Triton compiles each
-depth's kernels on first use); decode tok/s from the 8th token (``TokenClock``). Each generation
-ends by itself at ``tokens`` tokens (``max_length``), so the pack keeps its decode stack and CUDA
-graphs from row to row as from one ComfyUI run to the next: a depth ``auto`` switches to is one an
-earlier row captured (a generation stopped by an exception keeps no stack, and every switch would
-then capture graphs inside the timed window).
+depth's kernels on first use) and one of auto with no draft kept (row ``accept-warmup``: it
+leaves drafting and probes, so the probes' catch-up graphs exist); decode tok/s from the 8th
+token (``TokenClock``). Each generation ends by itself at ``tokens`` tokens (``max_length``), so
+the pack keeps its decode stack and CUDA graphs from row to row as from one ComfyUI run to the
+next: a depth ``auto`` switches to is one an earlier row captured (a generation stopped by an
+exception keeps no stack, and every switch would then capture graphs inside the timed window).
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ import statistics
 from benchmarks.draft_hook import acceptance_hook
 
 KINDS = ("off", "1", "2", "3", "4", "5", "auto")
+#: the untimed auto generation before the rows: long enough to leave drafting and probe once
+WARM_PROBE_TOKENS = 96
 
 
 def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, modes: dict, vocab: int,
           repeat: int = 1) -> list[dict]:
     """Rows ``{"format", "kind": "accept", "mode", "p", "mtp", "tok_s", "acceptance", "depths", "wall_s",
-    "trace", "decode_path"}``
-    for every mode (name -> sampling keyword arguments of ``generate``), P and MTP setting. The
-    engine is called as the patch calls it (``run_engine``'s binding hooks and execution dtype),
-    with a callback that ticks ``clock`` and keeps the generation's stats."""
+    "trace", "decode_path"}`` for every mode (name -> sampling keyword arguments of ``generate``), P
+    and MTP setting, each mode's after one ``{"format", "kind": "accept-warmup", "mode", "probes",
+    "depths"}`` (the untimed auto generation's shadow probes and depths). The engine is called as
+    the patch calls it (``run_engine``'s binding hooks and execution dtype), with a callback that
+    ticks ``clock`` and keeps the generation's stats."""
     from qwen35_fast.engine import generate
     from qwen35_fast.patches import comfy_bridge as bridge
 
@@ -44,6 +48,12 @@ def sweep(fmt: str, target, embeds, clock, *, ps, tokens: int, modes: dict, voca
         for mtp in KINDS[1:]:  # untimed: each depth's kernels compiled (comfy_e2e reports first use)
             generate(target.transformer, embeds, max_length=48, mtp=mtp,
                      mtp_draft=acceptance_hook(reference, 0.5, vocab=vocab, seed=1), **bind, **kw)
+        # untimed: auto with no draft kept leaves for plain segments and probes them, so the probes'
+        # catch-up graphs are captured before a timed row needs them (a process does this once)
+        warm = generate(target.transformer, embeds, max_length=WARM_PROBE_TOKENS, mtp="auto",
+                        mtp_draft=acceptance_hook(reference, 0.0, vocab=vocab, seed=1), **bind, **kw)
+        rows.append({"format": fmt, "kind": "accept-warmup", "mode": mode, "probes": warm.stats.mtp_trace["probes"],
+                     "depths": {str(k): v for k, v in warm.stats.mtp_depths.items()}})
         for p in ps:
             for _ in range(repeat):
                 for mtp in KINDS:

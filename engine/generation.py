@@ -20,8 +20,9 @@ import torch
 
 from . import held
 from .binding import Qwen35Binding, bind
+from .cycle_costs import cycle_costs
 from .draft_vocab import DraftVocab
-from .mtp_auto import DepthController, FixedDepth, cycle_costs
+from .mtp_auto import DepthController, FixedDepth
 from .readback import Readback
 from .request import GenerationRequest
 from .rope import RowPositions

@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from benchmarks.comfy_e2e import TokenClock
+from benchmarks.comfy_e2e import TokenClock, markdown
 from benchmarks.mtp_accept import KINDS, sweep, table
 from tests.oracles.tiny import add_mtp, engine_model, make_tiny
 
@@ -36,6 +36,9 @@ def test_accept_sweep_rows_and_table(tmp_path, rng, monkeypatch):
     greedy = dict(do_sample=False)
     rows = sweep("tiny", target, prompt, clock, ps=[0.0, 1.0], tokens=24, modes={"greedy": greedy},
                  vocab=d["vocab_size"])
+    warmup, *rows = rows
+    # the untimed auto generation left drafting and probed, so no timed row captures the probes' graphs
+    assert warmup["kind"] == "accept-warmup" and warmup["probes"] >= 1 and "0" in warmup["depths"], warmup
     assert [(r["p"], r["mtp"]) for r in rows] == [(p, k) for p in (0.0, 1.0) for k in KINDS]
     for r in rows:
         assert r["tok_s"] > 0
@@ -47,3 +50,6 @@ def test_accept_sweep_rows_and_table(tmp_path, rng, monkeypatch):
     assert "0" in auto[0.0]["depths"] and "5" in auto[1.0]["depths"], auto
     md = table(rows)
     assert md.count("\n| tiny | greedy |") == 2 and "auto / best" in md
+    # comfy_e2e's report of the saved run (the warm-up row included) holds the same table
+    run = dict(device="cpu", torch=torch.__version__, comfyui="-", copy_bw_Bps=1e12, prompt=5, rows=[warmup, *rows])
+    assert md in markdown(run)

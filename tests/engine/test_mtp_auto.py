@@ -12,11 +12,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import qwen35_fast.engine.cycle_costs as cycle_costs
 import qwen35_fast.engine.generation as generation
 import qwen35_fast.engine.mtp_auto as mtp_auto
 import torch
 from qwen35_fast.engine import generate
-from qwen35_fast.engine.mtp_auto import CycleCosts, DepthController
+from qwen35_fast.engine.cycle_costs import CycleCosts
+from qwen35_fast.engine.mtp_auto import DepthController
 
 from benchmarks.draft_hook import acceptance_hook
 
@@ -146,21 +148,41 @@ def test_controller_recovers_when_drafts_start_to_be_kept():
 
 def test_cycle_costs_fill_untimed_depths():
     costs = CycleCosts(5)
-    assert costs.estimate(3) == pytest.approx(1 + 3 * mtp_auto.PRIOR_SLOPE)
+    assert costs.estimate(3) == pytest.approx(1 + 3 * cycle_costs.PRIOR_SLOPE)
     for s in (2.0, 2.2, 2.1):
         costs.add(1, s)
-    assert costs.estimate(1) == pytest.approx(2.1)  # the median
-    assert costs.estimate(0) == pytest.approx(2.1 / (1 + mtp_auto.PRIOR_SLOPE))
+    assert costs.estimate(1) == pytest.approx(2.1)  # the mean
+    assert costs.estimate(0) == pytest.approx(2.1 / (1 + cycle_costs.PRIOR_SLOPE))
     costs.add(3, 3.1)
     assert costs.estimate(5) == pytest.approx(4.1)  # the line through (1, 2.1) and (3, 3.1)
     assert costs.estimate(0) == pytest.approx(1.6)
 
 
+def test_cycle_costs_are_the_mean_of_two_groups_without_outliers():
+    """A depth's cycles come in two groups (drafts kept: more tokens to report and catch up), most
+    of the recent ones in the faster group: the cost is their mean (tokens per second need the
+    mean time), which a median (4.2) misses; a capture or a pause (over ``OUTLIER`` times the
+    median) is left out; only the last ``COST_WINDOW`` timings count."""
+    costs = CycleCosts(5)
+    costs.add(1, 9.0)  # older than the window: dropped
+    times = [4.2, 4.2, 5.0] * 10 + [4.2, 5.0]
+    for s in times[:16]:
+        costs.add(1, s)
+    costs.add(1, 80.0)  # a capture
+    for s in times[16:]:
+        costs.add(1, s)
+    assert len(times) + 1 > cycle_costs.COST_WINDOW
+    kept = (times + [80.0])[-cycle_costs.COST_WINDOW:]
+    expected = sum(s for s in kept if s < 80.0) / (len(kept) - 1)
+    assert costs.timed()[1] == pytest.approx(expected)
+    assert costs.estimate(1) == pytest.approx(expected) and expected > 4.4
+
+
 def test_capture_cost_is_the_least_first_cycle_overhead():
     costs = CycleCosts(5)
-    assert costs.capture() == pytest.approx(mtp_auto.CAPTURE_STEPS)  # plain steps, before any timing
+    assert costs.capture() == pytest.approx(cycle_costs.CAPTURE_STEPS)  # plain steps, before any timing
     costs.add(0, 0.004)
-    assert costs.capture() == pytest.approx(mtp_auto.CAPTURE_STEPS * 0.004)
+    assert costs.capture() == pytest.approx(cycle_costs.CAPTURE_STEPS * 0.004)
     for s in (2.4, 0.07, 0.09):  # a first generation's compile, then captures alone
         costs.add_capture(s)
     assert costs.capture() == pytest.approx(0.07)
