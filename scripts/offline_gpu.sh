@@ -10,7 +10,7 @@
 #                                               unpacks the tree, runs each STEP below in order, each
 #                                               cut at the seconds left of END (default 585); logs and
 #                                               JSON go to OUT (default ./out)
-# Steps: tests (the GPU tests of graphs, MTP and the draft vocabulary), e2e4 (4-bit, int8 and nvfp4
+# Steps: tests (the GPU tests of graphs, MTP and the draft vocabulary), e2e4 (convrot_w4a4, int8, nvfp4
 # files: MTP off, forced MTP-3, forced MTP-3 over the draft vocabulary), acc8 / acc16 (`--accept`,
 # int8 / bf16), acc8s (int8 `--accept` at P 0, 0.3, 0.5, 0.7 only).
 set -uo pipefail
