@@ -22,7 +22,7 @@ CAPTURE_STEPS = 20.0
 class CycleCosts:
     """Wall seconds per cycle at each depth (0 = one plain step): the mean of the last
     ``COST_WINDOW`` timings, those over ``OUTLIER`` times their median left out; ``estimate(k)``
-    fills untimed depths (see the module docstring)."""
+    fills untimed depths (``engine/mtp_auto.py``'s docstring says how)."""
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth

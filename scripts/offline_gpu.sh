@@ -24,9 +24,8 @@ case "${1:-}" in
     aimdo="$(printf '%s\n' "$req" | grep -E '^comfy-aimdo==' | head -1)"
     mkdir -p "$kit/whl"
     cp "$shared/comfyui/comfyui-0.29.0.tar.xz" "$kit/"
-    plat=(); for n in 1 2014 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do
-      case $n in 1) plat+=(--platform manylinux1_x86_64);; 2014) plat+=(--platform manylinux2014_x86_64);;
-        *) plat+=(--platform "manylinux_${n}_x86_64");; esac; done
+    plat=(); for tag in manylinux1 manylinux2014 manylinux_2_{17,24,27,28,31,34,35}; do
+      plat+=(--platform "${tag}_x86_64"); done
     python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
       --python-version "${PYVER:-3.12}" --implementation cp "${plat[@]}" -d "$kit/whl" \
       "$kitchen" "$aimdo" torchsde trampoline einops simpleeval blake3 spandrel \
