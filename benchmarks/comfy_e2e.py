@@ -232,7 +232,10 @@ class TokenClock:
         ComfyUI run); decode tok/s from token ``skip`` on (the first steps of a generation capture its
         CUDA graphs; the prefill is before the first token).
         ``last`` then holds what the user waits for: ``first_token_s`` (the call to the first token:
-        prefill included) and ``wall_s`` (the call to the last token), and ``end_to_end_tok_s``."""
+        prefill included) and ``wall_s`` (the call to the last token), and ``end_to_end_tok_s``; and
+        how the timed tokens came: ``tokens_per_update`` (mean tokens a progress update reported: 1
+        without MTP, up to depth + 1 with it) and the updates' spacing, ``update_ms`` (median, 90th
+        percentile, largest)."""
         self.limit, self.times = limit if stop else float("inf"), []
         start = time.perf_counter()
         try:
@@ -244,8 +247,12 @@ class TokenClock:
         (v0, t0), (v1, t1) = next(((v, t) for v, t in self.times if v >= skip), self.times[0]), self.times[-1]
         if v1 < limit:
             raise RuntimeError(f"generation stopped after {v1} of {limit} tokens")
+        timed = [(v, t) for v, t in self.times if v >= v0]
+        gaps = sorted(1e3 * (b[1] - a[1]) for a, b in zip(timed, timed[1:])) or [0.0]
+        spread = (statistics.median(gaps), gaps[int(0.9 * (len(gaps) - 1))], gaps[-1])
         self.last = {"first_token_s": self.times[0][1] - start, "wall_s": t1 - start,
-                     "end_to_end_tok_s": v1 / (t1 - start)}
+                     "end_to_end_tok_s": v1 / (t1 - start), "tokens_per_update": (v1 - v0) / max(1, len(timed) - 1),
+                     "update_ms": [round(g, 3) for g in spread]}
         return (v1 - v0) / (t1 - t0)
 
 
@@ -323,7 +330,8 @@ def bench_format(comfy, fmt: str, path: Path, args, clock: TokenClock, bw: float
         rows.append(r)
         print(f"{fmt:>5} {kind:>13} max_length {max_length:>6}: {tok_s:8.1f} tok/s {r['ms_per_token']:7.2f} ms/token "
               f"peak {r['peak_gb']:6.2f} GB floor {floor_ms:.2f} ms ({r['floor_pct']:.0f}%); first token "
-              f"{r['first_token_s']:.2f} s, {r['end_to_end_tok_s']:.1f} tok/s end to end", flush=True)
+              f"{r['first_token_s']:.2f} s, {r['end_to_end_tok_s']:.1f} tok/s end to end; "
+              f"{r['tokens_per_update']:.2f} tokens an update, ms apart {r['update_ms']}", flush=True)
         if "peak_allocations" in r:
             mem = r["peak_allocations"]
             print(f"      allocated by the row at its peak: {mem['peak_bytes'] / 2**30:.2f} GB; largest:", flush=True)

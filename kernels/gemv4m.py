@@ -17,13 +17,17 @@ rows: one 16-byte load per weight row (4 words of 8 codes), four of x. Word ``i`
 t + 8 i + 0..7``) feeds two MMAs, each taking two pairs of its columns as its K pairs (2t, 2t + 1)
 and (2t + 8, 2t + 9) (``mma_asm``), x's B registers the same columns.
 
-A code becomes its 16-bit float by integer work alone: convrot_w4a4's ``(w & 0x0F0F0F0F) ^
-0x08080808`` (and the same of ``w >> 4``) is q + 8 in the bytes of the even (odd) columns; nvfp4's
-E2M1 codes become bytes 12 + 2v by byte-table permutes (``ptx.e2m1_bytes``). A byte permute puts
-two bytes under the exponent byte 0x43 (bf16: 128 + byte) or 0x64 (fp16: 1024 + byte), and one
-packed FMA takes the offset off, exactly; nvfp4's 2v is then multiplied by its block's E4M3 scale
-(exact: at most 6 significant bits). Products and sums are float32 on the tensor cores. The per-row
-float32 scale (nvfp4: half the tensor scale) multiplies the result, as does ``row_norm``'s factor.
+A code becomes its 16-bit float by integer work alone. convrot_w4a4: ``(w & 0x0F0F0F0F) ^
+0x08080808`` (and the same of ``w >> 4``) is q + 8 in the bytes of the even (odd) columns; a byte
+permute puts two bytes under the exponent byte 0x43 (bf16: 128 + byte) or 0x64 (fp16: 1024 + byte),
+and one packed FMA takes the offset off, exactly. nvfp4: a code's magnitude bits go under the
+float's lowest exponent bits and top mantissa bit and its sign to the sign bit (``ptx.e2m1_halves``:
+its E2M1 value times 2^-126 / 2^-14, subnormals included), and one packed FMA multiplies it by its
+block's E4M3 scale times 2^7 (``ptx.e4m3_half2``, made once per chunk): the value times its scale
+times 2^-7, exact (at most 6 significant bits, a multiple of 2^-17 and at most 21). Products and
+sums are float32 on the tensor cores. The per-row float32 scale (nvfp4: the tensor scale times 2^7)
+multiplies the result, as does ``row_norm``'s factor.
+
 Each program's warps take the program's K steps in turn and their sums meet in one reduction;
 split-K over programs as ``gemv4.py``.
 
@@ -37,15 +41,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv4w import _e4m3, swizzled
+from .gemv4w import swizzled
 from .pdl import trigger, wait
-from .ptx import E2M1_REGS, E2M1_TABLES, e2m1_bytes, nibble_bytes, prefetch_share
+from .ptx import HALF_BITS_REGS, e2m1_halves, e4m3_consts, e4m3_half2, nibble_bytes, prefetch_share
 
 #: 16-bit float kind of x (``gemv4.X_KIND``) -> (PTX type, exponent byte, 1.0 twice)
 HALF = {2: ("bf16", 0x43, 0x3F803F80), 1: ("f16", 0x64, 0x3C003C00)}
-#: (x kind, format) -> minus the offset a code's 16-bit float carries, twice (bf16: 128 + q + 8, 128 + 12 +
-#: 2v; fp16: 1024 + ...)
-OFFSET = {(2, 1): 0xC308C308, (1, 1): 0xE408E408, (2, 2): 0xC30CC30C, (1, 2): 0xE40CE40C}
+#: x kind -> minus the offset a convrot_w4a4 code's 16-bit float carries, twice (bf16: 128 + q + 8; fp16:
+#: 1024 + q + 8)
+OFFSET = {2: 0xC308C308, 1: 0xE408E408}
 #: columns of a row one lane reads per chunk, and the warp's 4 lanes along K together
 LANE_COLS, CHUNK_COLS = tl.constexpr(32), tl.constexpr(128)
 
@@ -56,14 +60,12 @@ def mma_asm(xk: int, fmt: int = 1) -> str:
     g / g + 8, ``$6`` of its first x value in x row g; ``$7`` / ``$8`` / ``$9`` nonzero where those rows
     exist; ``$10`` the columns left from the lane's first (the chunk reads where that is positive);
     ``$11..$14`` C (f32 in); nvfp4 (``fmt`` 2): ``$15..$18`` the E4M3 block scales of rows g and g + 8
-    for the lane's two 16-column blocks (g block 0, g block 1, g + 8 block 0, g + 8 block 1), each as
-    two copies of x's 16-bit float kind. convrot_w4a4 pairs even and odd columns (x's pairs by byte
-    permutes), nvfp4 neighbours (x's registers as loaded)."""
+    for the lane's two 16-column blocks (g block 0, g block 1, g + 8 block 0, g + 8 block 1), each a
+    byte in bits 0..7, the rest zero. convrot_w4a4 pairs even and odd columns, nvfp4 columns 4 apart
+    (x's pairs by byte permutes); nvfp4's D is the product times 2^-7."""
     kind, exp, one = HALF[xk]
-    out = [".reg .pred ra, rb, rx, pc;", ".reg .b32 m, one, off, negz, la, ha, lb, hb, a0, a1, a2, a3, b0, b1;",
+    out = [".reg .pred ra, rb, rx, pc;", ".reg .b32 m, one, off, la, ha, lb, hb, a0, a1, a2, a3, b0, b1;",
            ".reg .b32 wa<4>, wb<4>, xr<16>;",
-           f"mov.b32 m, {exp * 0x01010101:#010x}; mov.b32 one, {one:#010x}; mov.b32 off, {OFFSET[xk, fmt]:#010x};",
-           "mov.b32 negz, 0x80008000;",
            "setp.gt.s32 pc, $10, 0;", "setp.ne.b32 ra, $7, 0; setp.ne.b32 rb, $8, 0; setp.ne.b32 rx, $9, 0;",
            "and.pred ra, ra, pc; and.pred rb, rb, pc; and.pred rx, rx, pc;",
            "mov.f32 $0, $11; mov.f32 $1, $12; mov.f32 $2, $13; mov.f32 $3, $14;",
@@ -73,28 +75,32 @@ def mma_asm(xk: int, fmt: int = 1) -> str:
            "@rb ld.global.nc.L1::no_allocate.v4.b32 {wb0, wb1, wb2, wb3}, [$5+0];"]
     out += [f"@rx ld.global.v4.b32 {{xr{4 * j}, xr{4 * j + 1}, xr{4 * j + 2}, xr{4 * j + 3}}}, [$6+{16 * j}];"
             for j in range(4)]
-    if fmt == 2:
-        out += [E2M1_REGS, *E2M1_TABLES]
+    if fmt == 1:
+        out += [f"mov.b32 m, {exp * 0x01010101:#010x}; mov.b32 one, {one:#010x}; mov.b32 off, {OFFSET[xk]:#010x};"]
+    else:  # the four block scales, times 2^7, as two copies of x's kind each
+        out += [HALF_BITS_REGS, ".reg .b32 fa<4>, fb<4>, sc<4>;", *e4m3_consts(kind)]
+        for j in range(4):
+            out += e4m3_half2(f"${15 + j}", f"sc{j}", kind)
     for i in range(4):
         xs = [f"xr{4 * i + j}" for j in range(4)]  # x columns (8i + 0, 1), (2, 3), (4, 5), (6, 7) of the lane's
         if fmt == 1:  # pairs (0, 2) | (4, 6), then (1, 3) | (5, 7); x paired the same way
             out += nibble_bytes(f"wa{i}", "la", "ha") + nibble_bytes(f"wb{i}", "lb", "hb")
-            halves = (("la", "lb", "0x4140", "0x4342", f"prmt.b32 b0, {xs[0]}, {xs[1]}, 0x5410;",
-                       f"prmt.b32 b1, {xs[2]}, {xs[3]}, 0x5410;"),
-                      ("ha", "hb", "0x4140", "0x4342", f"prmt.b32 b0, {xs[0]}, {xs[1]}, 0x7632;",
-                       f"prmt.b32 b1, {xs[2]}, {xs[3]}, 0x7632;"))
-        else:  # pairs (0, 1) | (2, 3), then (4, 5) | (6, 7): x's registers as loaded
-            out += e2m1_bytes(f"wa{i}", "la", "ha") + e2m1_bytes(f"wb{i}", "lb", "hb")
-            halves = (("la", "lb", "0x4041", "0x4243", f"mov.b32 b0, {xs[0]};", f"mov.b32 b1, {xs[1]};"),
-                      ("ha", "hb", "0x4041", "0x4243", f"mov.b32 b0, {xs[2]};", f"mov.b32 b1, {xs[3]};"))
-        for ra_, rb_, s_lo, s_hi, b0, b1 in halves:
-            out += [f"prmt.b32 a0, {ra_}, m, {s_lo};", f"prmt.b32 a1, {rb_}, m, {s_lo};",
-                    f"prmt.b32 a2, {ra_}, m, {s_hi};", f"prmt.b32 a3, {rb_}, m, {s_hi};"]
-            out += [f"fma.rn.{kind}x2 a{j}, a{j}, one, off;" for j in range(4)]
-            if fmt == 2:  # times the block scale of each row (exact: at most 6 significant bits)
-                out += [f"fma.rn.{kind}x2 a{j}, a{j}, ${15 + i // 2 + 2 * (j % 2)}, negz;" for j in range(4)]
-            out += [b0, b1, f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0, $1, $2, $3}}, "
-                            "{a0, a1, a2, a3}, {b0, b1}, {$0, $1, $2, $3};"]
+            for ra_, rb_, sel in (("la", "lb", "0x5410"), ("ha", "hb", "0x7632")):
+                out += [f"prmt.b32 a0, {ra_}, m, 0x4140;", f"prmt.b32 a1, {rb_}, m, 0x4140;",
+                        f"prmt.b32 a2, {ra_}, m, 0x4342;", f"prmt.b32 a3, {rb_}, m, 0x4342;"]
+                out += [f"fma.rn.{kind}x2 a{j}, a{j}, one, off;" for j in range(4)]
+                out += [f"prmt.b32 b0, {xs[0]}, {xs[1]}, {sel};", f"prmt.b32 b1, {xs[2]}, {xs[3]}, {sel};",
+                        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0, $1, $2, $3}}, "
+                        "{a0, a1, a2, a3}, {b0, b1}, {$0, $1, $2, $3};"]
+        else:  # codes (i, i + 4) of a word are columns (1, 5), (0, 4), (3, 7), (2, 6); pairs (0, 4) | (2, 6),
+            # then (1, 5) | (3, 7); x's pairs by byte permutes
+            fa, fb = [f"fa{j}" for j in range(4)], [f"fb{j}" for j in range(4)]
+            out += e2m1_halves(f"wa{i}", fa, kind) + e2m1_halves(f"wb{i}", fb, kind)
+            out += [f"fma.rn.{kind}x2 {r}, {r}, sc{i // 2 + 2 * (r in fb)}, ez;" for r in fa + fb]  # exact
+            for lo, hi, sel in ((1, 3, "0x5410"), (0, 2, "0x7632")):
+                out += [f"prmt.b32 b0, {xs[0]}, {xs[2]}, {sel};", f"prmt.b32 b1, {xs[1]}, {xs[3]}, {sel};",
+                        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0, $1, $2, $3}}, "
+                        f"{{fa{lo}, fb{lo}, fa{hi}, fb{hi}}}, {{b0, b1}}, {{$0, $1, $2, $3}};"]
     return "{\n" + "\n".join(out) + "\n}"
 
 
@@ -104,18 +110,6 @@ MMA_BF16_FP4 = tl.constexpr(mma_asm(2, 2))
 MMA_F16_FP4 = tl.constexpr(mma_asm(1, 2))
 CONSTRAINTS = tl.constexpr("=f,=f,=f,=f,l,l,l,r,r,r,r,f,f,f,f")
 CONSTRAINTS_FP4 = tl.constexpr("=f,=f,=f,=f,l,l,l,r,r,r,r,f,f,f,f,r,r,r,r")
-
-
-@triton.jit
-def _half2(byte, XK: tl.constexpr):
-    # an E4M3 byte (uint8) -> two copies of its value as x's 16-bit float (exact), int32
-    f = _e4m3(byte.to(tl.int32) & 255)
-    if XK == 2:
-        h = f.to(tl.bfloat16).to(tl.int16, bitcast=True)
-    else:
-        h = f.to(tl.float16).to(tl.int16, bitcast=True)
-    h = h.to(tl.int32) & 0xFFFF
-    return h | (h << 16)
 
 
 @triton.jit
@@ -135,10 +129,10 @@ def _chunk(d0, d1, d2, d3, pa, pb, px, oka, okb, okx, left, S, ra, rb, col, s_co
         ok = left > 0
         sa = swizzled(ra, blk, s_cols)
         sb = swizzled(rb, blk, s_cols)
-        a0 = _half2(tl.load(S + sa, mask=ok, other=0), XK)
-        a1 = _half2(tl.load(S + sa + 1, mask=ok, other=0), XK)
-        b0 = _half2(tl.load(S + sb, mask=ok, other=0), XK)
-        b1 = _half2(tl.load(S + sb + 1, mask=ok, other=0), XK)
+        a0 = tl.load(S + sa, mask=ok, other=0).to(tl.int32) & 255
+        a1 = tl.load(S + sa + 1, mask=ok, other=0).to(tl.int32) & 255
+        b0 = tl.load(S + sb, mask=ok, other=0).to(tl.int32) & 255
+        b1 = tl.load(S + sb + 1, mask=ok, other=0).to(tl.int32) & 255
         args = [pa, pb, px, oka, okb, okx, left, d0, d1, d2, d3, a0, a1, b0, b1]
         if XK == 2:
             out = tl.inline_asm_elementwise(MMA_BF16_FP4, CONSTRAINTS_FP4, args, (tl.float32,) * 4, is_pure=False,
@@ -201,8 +195,8 @@ def _tile4m(X, W, S, T, Y, M, N, K, K_PER, sx_m, sw_n, s_cols, sy_m, sy_k, pid, 
     r1 = r0 + 8
     x0 = 2 * (lane % 4)
     x1 = x0 + 1
-    if FMT == 2:  # the codes were 2v
-        s0 = 0.5 * tl.load(T).to(tl.float32) + tl.zeros_like(d0)
+    if FMT == 2:  # D was the product times 2^-7
+        s0 = 128.0 * tl.load(T).to(tl.float32) + tl.zeros_like(d0)
         s1 = s0
     else:
         s0 = tl.load(S + r0, mask=r0 < N, other=0.0).to(tl.float32)

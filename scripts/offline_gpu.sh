@@ -10,8 +10,10 @@
 #                                               unpacks the tree, runs each STEP below in order, each
 #                                               cut at the seconds left of END (default 585); logs and
 #                                               JSON go to OUT (default ./out)
-# Steps: tests (the GPU tests of graphs, MTP and the draft vocabulary), e2e4 (convrot_w4a4, int8, nvfp4
-# files: MTP off, forced MTP-3, forced MTP-3 over the draft vocabulary), acc8 / acc16 (`--accept`,
+# Steps: tests (the GPU tests of graphs, MTP and the draft vocabulary), tests4 (the GPU tests of the 4-bit
+# tiles), tiles (the 4-bit tiles launch by launch, `gemv4_tiles.py`), e2e4 (convrot_w4a4, int8, nvfp4
+# files: MTP off, forced MTP-3, forced MTP-3 over the draft vocabulary), e2e4r (the same files, MTP off
+# and forced MTP-3, 300 tokens, each row 3 times interleaved), acc8 / acc16 (`--accept`,
 # int8 / bf16), acc8s (int8 `--accept` at P 0, 0.3, 0.5, 0.7 only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +34,7 @@ case "${1:-}" in
       "pytest>=8,<9" pluggy iniconfig pygments || exit 1
     du -sh "$kit"; exit 0 ;;
   run) shift ;;
-  *) sed -n 2,16p "$0"; exit 2 ;;
+  *) sed -n 2,17p "$0"; exit 2 ;;
 esac
 
 START=$(date +%s); END=${END:-585}; OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -57,15 +59,21 @@ for s in "$@"; do
   case $s in
     tests) step gpu_tests 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/engine/test_engine_graphs.py \
              -k "subset_drafts or auto_depth or fused_path_equals" ;;
+    tests4) step gpu_tests4 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gemv4m.py \
+              tests/kernels/test_gemv4.py ;;
+    tiles) step tiles 150 python3 benchmarks/gemv4_tiles.py --formats w4a4 nvfp4 --rows 1 4 \
+             --json "$OUT/gemv4_tiles.json" ;;
     e2e4) step e2e4 260 "${E2E[@]}" --tokens 200 --kinds pack forced3 forced3-subset --formats w4a4 int8 nvfp4 \
             --json "$OUT/comfy_e2e_4bit.json" ;;
+    e2e4r) step e2e4r 400 "${E2E[@]}" --tokens 300 --kinds pack forced3 --formats w4a4 int8 nvfp4 --repeat 3 \
+             --json "$OUT/comfy_e2e_4bit_repeat.json" ;;
     acc8) step acc8 300 "${E2E[@]}" --formats int8 --accept 0 0.3 0.5 0.7 0.9 1 --tokens 300 \
             --json "$OUT/mtp_accept_int8.json" ;;
     acc8s) step acc8s 240 "${E2E[@]}" --formats int8 --accept 0 0.3 0.5 0.7 --tokens 300 \
              --json "$OUT/mtp_accept_int8_short.json" ;;
     acc16) step acc16 300 "${E2E[@]}" --formats bf16 --accept 0 0.3 0.5 0.7 0.9 1 --tokens 300 \
              --json "$OUT/mtp_accept_bf16.json" ;;
-    *) echo "unknown step $s (steps: tests e2e4 acc8 acc8s acc16)"; exit 2 ;;
+    *) echo "unknown step $s (steps: tests tests4 tiles e2e4 e2e4r acc8 acc8s acc16)"; exit 2 ;;
   esac
 done
 echo "== done, $(left) s left"

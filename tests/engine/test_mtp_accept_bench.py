@@ -53,3 +53,23 @@ def test_accept_sweep_rows_and_table(tmp_path, rng, monkeypatch):
     # comfy_e2e's report of the saved run (the warm-up row included) holds the same table
     run = dict(device="cpu", torch=torch.__version__, comfyui="-", copy_bw_Bps=1e12, prompt=5, rows=[warmup, *rows])
     assert md in markdown(run)
+
+
+def test_token_clock_reports_tokens_an_update(monkeypatch):
+    """``TokenClock.run`` on a clock whose times are set here: an MTP-3 generation reporting 4 tokens an
+    update from token 9 on gives tok/s over the timed updates, ``tokens_per_update`` 4.0 and the
+    updates' spacing (median, 90th percentile, largest, ms) with one slow update seen as the largest."""
+    import benchmarks.comfy_e2e as e2e
+
+    now = iter([0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.09])
+    monkeypatch.setattr(e2e.time, "perf_counter", lambda: next(now))
+    clock = TokenClock(types.SimpleNamespace(ProgressBar=_Bar))
+
+    def generate():
+        for value in (1, 5, 9, 13, 17, 21, 25, 29):
+            clock.tick(value)
+
+    tok_s = clock.run(generate, 25)
+    assert abs(tok_s - 16 / 0.06) < 1e-6
+    assert clock.last["tokens_per_update"] == 4.0
+    assert clock.last["update_ms"] == [10.0, 10.0, 30.0]

@@ -9,7 +9,7 @@ states. Compiled on the GPU (``-m gpu``): the same products through ``gemv4_grou
 import pytest
 import torch
 import triton
-from qwen35_fast.kernels import gemv4m
+from qwen35_fast.kernels import gemv4m, ptx
 from qwen35_fast.kernels.convrot import hadamard
 from qwen35_fast.kernels.convrot_triton import hadamard_rotate_torch
 from qwen35_fast.kernels.packed4 import Packed4
@@ -21,24 +21,19 @@ pytestmark = pytest.mark.interpreter
 
 
 def _block_scales(p) -> torch.Tensor:
-    """nvfp4's E4M3 block scales as float32 ``[rows, K / 16 blocks]``, unswizzled from cuBLAS's 128x4 tiles
-    (``packed4``'s layout: tile-row r at ``(r % 32) * 16 + (r // 32 % 4) * 4``)."""
+    """nvfp4's E4M3 block scales as bytes (uint8) ``[rows, K / 16 blocks]``, unswizzled from cuBLAS's 128x4
+    tiles (``packed4``'s layout: tile-row r at ``(r % 32) * 16 + (r // 32 % 4) * 4``)."""
     n_rb, n_cb = p.block_scale.shape[0] // 128, p.block_scale.shape[1] // 4
     tiles = p.block_scale.view(torch.uint8).reshape(n_rb, n_cb, 32, 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(n_rb * 128, n_cb * 4).view(torch.float8_e4m3fn).float()
-
-
-def _half2(value: float, dtype) -> int:
-    bits = torch.tensor([value]).to(dtype).view(torch.int16).item() & 0xFFFF
-    return bits | (bits << 16)
+    return tiles.reshape(n_rb * 128, n_cb * 4)
 
 
 def emulate(p, xr: torch.Tensor, chunks: int, warps: int, asm: str | None = None) -> torch.Tensor:
     """``xr @ W.T`` (float64 ``[M, N]``, W as stored: convrot_w4a4 in its rotated basis) by the tile's PTX
     on the warp model: per program 16 weight rows, its warps taking steps of ``128 * chunks`` columns in
     turn, lane (g, t) reading rows g and g + 8 and x row g from column ``32 t`` of each chunk (nvfp4:
-    with the block scales of its two 16-column blocks); D times the row scales (nvfp4: half the
-    tensor scale)."""
+    with the E4M3 bytes of its two 16-column blocks' scales); D times the row scales (nvfp4: the
+    tensor scale times 2^7)."""
     fp4 = p.fmt == "nvfp4"
     asm = asm or gemv4m.mma_asm(2 if xr.dtype == torch.bfloat16 else 1, 2 if fp4 else 1)
     m, k, n = xr.shape[0], p.k, p.n
@@ -61,15 +56,14 @@ def emulate(p, xr: torch.Tensor, chunks: int, warps: int, asm: str | None = None
                                                 int(row + 8 < n), int(g < m), k - col] + acc[lane])
                         if fp4:
                             b = col // 16
-                            ops[-1] += [_half2(blocks[r, b + j].item() if col < k else 0.0, xr.dtype)
-                                        for r in (row, row + 8) for j in (0, 1)]
+                            ops[-1] += [int(blocks[r, b + j]) if col < k else 0 for r in (row, row + 8) for j in (0, 1)]
                     acc = [out[:4] for out in run_warp(asm, ops, mem)]
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 for value, row, xrow in zip(acc[lane], (g, g, g + 8, g + 8), (2 * t, 2 * t + 1) * 2):
                     r = pid * 16 + row
                     if r < n and xrow < m:
-                        y[xrow, r] += value * (0.5 * p.scale.item() if fp4 else p.scale[r].item())
+                        y[xrow, r] += value * (128 * p.scale.item() if fp4 else p.scale[r].item())
     return y
 
 
@@ -105,12 +99,38 @@ def test_mma_ptx_mutations(rng):
     ref = x.double() @ wq.T
     good = gemv4m.mma_asm(2, 2)
     assert rel(emulate(q, x, 1, 1, good), ref) < tol(torch.bfloat16)
-    for broken in (good.replace(", $16, negz;", ", $15, negz;"),  # one block's scale for both
-                   good.replace("prmt.b32 a2, la, m, 0x4243;", "prmt.b32 a2, la, m, 0x4342;"),  # a pair swapped
-                   good.replace("mov.b32 b1, xr1;", "mov.b32 b1, xr0;")):
+    for broken in (good.replace("sc1, ez;", "sc0, ez;"),  # one block's scale for both
+                   good.replace("b0, xr0, xr2, 0x5410;", "b0, xr2, xr0, 0x5410;"),  # x's pair swapped
+                   good.replace("b1, xr1, xr3, 0x5410;", "b1, xr0, xr3, 0x5410;"),  # one x register twice
+                   good.replace("0x80008000, 0xEC;", "0x80008000, 0xCC;")):  # signs dropped
         assert broken != good
         assert rel(emulate(q, x, 1, 1, broken), ref) > 0.05
 
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the OCP MX spec's E2M1 magnitudes, codes 0..7
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nvfp4_codes_and_scales_as_half_bits(dtype):
+    """Every E2M1 code (both signs) times every finite E4M3 scale byte, subnormals included, through the
+    tile's conversion (``ptx.e4m3_half2``, ``ptx.e2m1_halves``, the packed FMA) on the PTX model: each
+    16-bit result is exactly code x scale x 2^-7 (torch's float8_e4m3fn for the scale), code i of the
+    word in register i's low half and code i + 4 in its high half."""
+    kind = "bf16" if dtype == torch.bfloat16 else "f16"
+    regs = [f"r{j}" for j in range(4)]
+    asm = "{\n" + "\n".join([".reg .b32 r0, r1, r2, r3, sc;", ptx.HALF_BITS_REGS, *ptx.e4m3_consts(kind),
+                               *ptx.e4m3_half2("$5", "sc", kind), *ptx.e2m1_halves("$4", regs, kind),
+                               *(f"fma.rn.{kind}x2 r{j}, r{j}, sc, ez;" for j in range(4)),
+                               *(f"mov.b32 ${j}, r{j};" for j in range(4))]) + "\n}"
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    scales = finite.view(torch.float8_e4m3fn).double()
+    for word in (0x76543210, 0xFEDCBA98, 0x8F9E1C2B):
+        codes = [(word >> (4 * i)) & 15 for i in range(8)]
+        value = torch.tensor([(-1 if c & 8 else 1) * E2M1[c & 7] for c in codes], dtype=torch.float64)
+        out = run_warp(asm, [[0, 0, 0, 0, word, int(b)] for b in finite])
+        halves = torch.tensor([[(o[i] >> (16 * h)) & 0xFFFF for h in (0, 1) for i in range(4)] for o in out])
+        got = (halves - (halves >> 15) * 65536).to(torch.int16).view(dtype).double()  # columns: codes 0..3, then 4..7
+        assert torch.equal(got, scales[:, None] * value[None, :] / 128), (word, kind)
 
 def test_register_tile_config_where_it_cannot_run(rng, monkeypatch):
     """A config asking for the register tile where it cannot run (here: Triton interpreting, no PTX)

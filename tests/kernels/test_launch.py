@@ -254,11 +254,19 @@ def test_the_register_tile_pick_is_what_the_h100_measured():
     for row in nvfp4["rows"]:
         n, k, rows = row["n"], row["k"], row["rows"]
         timed = {(tuple(c), p): us for c, p, us in row["mma"]}
-        config, split = launch.gemv4(n, k, "nvfp4", rows, H100)
+        config, split = fallback.gemv4_pick(n, k, rows, H100, "nvfp4"), fallback.gemv4m_split(n, k)
         assert config[4] == 2 and timed[(config, split)] <= 1.05 * min(timed.values()), (row["launch"], rows)
         assert timed[(config, split)] < row["word"][2], row["launch"]
         checked += 1
-    assert checked == 18
+    # the H100's table: the tile's configs timed again after its nvfp4 conversion changed; each launch
+    # within 2% of the fastest (the table names those that won by more)
+    bits = json.loads((ROOT / "benchmarks" / "results" / "gemv4_tiles_h100_nvfp4_bits.json").read_text())
+    for row in bits["rows"]:
+        timed = {(tuple(c), p): us for c, p, us in row["mma"]}
+        config, split = launch.gemv4(row["n"], row["k"], "nvfp4", row["rows"], H100)
+        assert timed[(config, split)] <= 1.02 * min(timed.values()), (row["launch"], row["rows"])
+        checked += 1
+    assert checked == 30
     a100, turing = OTHERS[0], DeviceRecord("NVIDIA GeForce RTX 2080", 75, 46, 64 * 1024, 4 << 20)
     for rows in range(1, 9):
         assert (fallback.gemv4_pick(4096, 4096, rows, a100)[4] == 2) == (rows >= fallback.MMA_ROWS)
