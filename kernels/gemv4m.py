@@ -64,8 +64,7 @@ def mma_asm(xk: int, fmt: int = 1) -> str:
     byte in bits 0..7, the rest zero. convrot_w4a4 pairs even and odd columns, nvfp4 columns 4 apart
     (x's pairs by byte permutes); nvfp4's D is the product times 2^-7."""
     kind, exp, one = HALF[xk]
-    out = [".reg .pred ra, rb, rx, pc;", ".reg .b32 m, one, off, la, ha, lb, hb, a0, a1, a2, a3, b0, b1;",
-           ".reg .b32 wa<4>, wb<4>, xr<16>;",
+    out = [".reg .pred ra, rb, rx, pc;", ".reg .b32 b0, b1, wa<4>, wb<4>, xr<16>;",
            "setp.gt.s32 pc, $10, 0;", "setp.ne.b32 ra, $7, 0; setp.ne.b32 rb, $8, 0; setp.ne.b32 rx, $9, 0;",
            "and.pred ra, ra, pc; and.pred rb, rb, pc; and.pred rx, rx, pc;",
            "mov.f32 $0, $11; mov.f32 $1, $12; mov.f32 $2, $13; mov.f32 $3, $14;",
@@ -76,7 +75,8 @@ def mma_asm(xk: int, fmt: int = 1) -> str:
     out += [f"@rx ld.global.v4.b32 {{xr{4 * j}, xr{4 * j + 1}, xr{4 * j + 2}, xr{4 * j + 3}}}, [$6+{16 * j}];"
             for j in range(4)]
     if fmt == 1:
-        out += [f"mov.b32 m, {exp * 0x01010101:#010x}; mov.b32 one, {one:#010x}; mov.b32 off, {OFFSET[xk]:#010x};"]
+        out += [".reg .b32 m, one, off, la, ha, lb, hb, a0, a1, a2, a3;",
+                f"mov.b32 m, {exp * 0x01010101:#010x}; mov.b32 one, {one:#010x}; mov.b32 off, {OFFSET[xk]:#010x};"]
     else:  # the four block scales, times 2^7, as two copies of x's kind each
         out += [HALF_BITS_REGS, ".reg .b32 fa<4>, fb<4>, sc<4>;", *e4m3_consts(kind)]
         for j in range(4):

@@ -34,7 +34,7 @@ case "${1:-}" in
       "pytest>=8,<9" pluggy iniconfig pygments || exit 1
     du -sh "$kit"; exit 0 ;;
   run) shift ;;
-  *) sed -n 2,17p "$0"; exit 2 ;;
+  *) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2 ;;
 esac
 
 START=$(date +%s); END=${END:-585}; OUT=${OUT:-out}; mkdir -p "$OUT"
