@@ -455,13 +455,26 @@ def test_api_workflows_match_object_info(server):
                 assert top in known, f"{name}: {node['class_type']} has no input {key!r}"
 
 
+def _served(prompt: dict, base_url: str) -> dict:
+    """A twin whose server enhancer (if any) points at ``base_url`` instead of the shipped local address."""
+    for node in prompt.values():
+        if node["class_type"] == "Qwen35FastPromptEnhancerServer":
+            node["inputs"]["base_url"] = base_url
+    return prompt
+
+
 def test_every_api_workflow_runs(server):
     """Every API twin, unchanged (shipped file names, head download choice, official max_length),
-    on the random STOP_CKPT under the shipped names; the head and prompts come from the local Hub."""
+    on the random STOP_CKPT under the shipped names; the head and prompts come from the local Hub. The
+    server enhancer's twin: unchanged but its base_url, a loopback vLLM-like server (tests/openai_server.py)."""
+    from tests.openai_server import OpenAIServer, Reply, answer_events
+
+    answer = '{"rewritten_prompt": "a fox under a lantern, snow, dusk", "wh_ratio": "16:9"}'
+    vllm = OpenAIServer(lambda req: Reply(answer_events(answer, reasoning="The user wants a fox.")))
     results = {}
     for path in sorted(API_DIR.glob("*.json")):
         start = time.time()
-        h = server.run(_shipped(path.name), timeout=420)
+        h = server.run(_served(_shipped(path.name), vllm.base_url), timeout=420)
         assert h["status"]["status_str"] == "success", (path.name, _error(h))
         print(f"{path.name}: {time.time() - start:.1f} s as shipped")
         results[path.name] = texts = _texts(h)
@@ -491,6 +504,9 @@ def test_every_api_workflow_runs(server):
     for preset in enhanced:
         assert server.hub.bytes_of(model_fetch.PROMPT_REPOS[preset], model_fetch.PROMPT_FILE) > 0, preset
     assert server.hub.bytes_of(model_fetch.MTP_BASE_REPOS["0.8B"]) > 0  # the head, by range reads
+    served = [r["body"] for r in vllm.chat_requests()]
+    vllm.stop()
+    assert served and all(b["max_tokens"] == 16256 and b["seed"] == 42 and b["top_k"] == 20 for b in served), served
     print(json.dumps(results, indent=1, ensure_ascii=False)[:3000])
 
 

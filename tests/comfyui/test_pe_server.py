@@ -22,11 +22,14 @@ from pathlib import Path
 import pytest
 
 from tests.comfyui import test_comfyui_integration as ci
+from tests.openai_server import OpenAIServer, Reply, answer_events, chunk
 
 ROOT = Path(__file__).resolve().parents[2]
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 SERVE_PY = os.environ.get("QWEN35_FAST_SERVE_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
 KEY_VAR, KEY = "QWEN35_PE_TEST_KEY", "sk-qwen35-test-7f3a9c1e5b"
+HF_FAKE = "hf_qwen35FakeTokenForTests9d2c7e41"  # HF_TOKEN of the ComfyUI process: a workflow must not reach it
+NODE = "Qwen35FastPromptEnhancerServer"
 SYSTEM = "Rewrite the prompt. Answer with JSON."
 pytestmark = [pytest.mark.comfyui,
               pytest.mark.skipif(not COMFY, reason="set QWEN35_FAST_COMFYUI=<ComfyUI tree> to run")]
@@ -101,8 +104,25 @@ def comfy_mod():
     return import_comfyui(COMFY)
 
 
+@pytest.fixture
+def user_dir(comfy_mod, tmp_path):
+    """ComfyUI's user directory (where the key pairing file lives) set to a fresh folder, as --user-directory does."""
+    import folder_paths
+
+    old = folder_paths.get_user_directory()
+    folder_paths.set_user_directory(str(tmp_path))
+    yield tmp_path
+    folder_paths.set_user_directory(old)
+
+
+def _pair(user: Path, *entries) -> None:
+    """What the user writes to pair keys with servers (the workflow cannot)."""
+    (user / "qwen35_fast_servers.json").write_text(json.dumps(
+        {"servers": [{"base_url": url, "api_key_env": var} for url, var in entries]}))
+
+
 def _lists(srv, **over) -> dict:
-    values = dict(base_url=srv.base_url, model=str(srv.model), api="transformers", api_key_env="", max_concurrent=4,
+    values = dict(base_url=srv.base_url, model=str(srv.model), api="auto", api_key_env="", max_concurrent=4,
                   timeout_s=60, prompt="a red fox in snow", system_prompt=SYSTEM, preset="text-to-image",
                   max_length=24, seed=1, thinking=True, megapixels=1.0)
     values.update(over)
@@ -161,18 +181,22 @@ def test_text_to_image_run_streams_to_the_progress_hook(tserve, comfy_mod, caplo
     # random weights never close the thinking block in 24 tokens: the documented fallback, the user's prompt
     assert parse_ok[0] or rewritten[0] == "a red fox in snow", (rewritten, parse_ok)
     assert thinking[0] or parse_ok[0]
-    assert "transformers server" in status[0] and "tok/s" in status[0] and "not honoured" in status[0], status
+    lines = status[0].split("\n")
+    assert lines[0].startswith("Stopped at max_length 24 (finish 'length')"), lines  # what to act on, first
+    assert "transformers server" in status[0] and "tok/s" in status[0], status
+    assert "Not honoured by transformers: presence_penalty" in status[0] and "api auto: transformers" in status[0]
     assert len(hook.calls) > 1, hook.calls  # streamed: more than one progress update
     print(f"status: {status[0]}; progress updates: {len(hook.calls)}")
 
 
 def test_overhead_over_the_servers_own_completion(tserve, comfy_mod):
     """Reported, not asserted: the node's wall time against a bare streamed request of the same body."""
-    from qwen35_fast.enhancer.server_backend import ServerSpec
+    from qwen35_fast.enhancer.server_api import ServerSpec, request_body
     from qwen35_fast.enhancer.server_enhancer import ServerJob, prepare
 
     spec = ServerSpec(tserve.base_url, str(tserve.model), api="transformers", timeout_s=60)
-    body = prepare(spec, ServerJob("a red fox in snow", system_prompt=SYSTEM, max_length=48, seed=5)).body
+    p = prepare(ServerJob("a red fox in snow", system_prompt=SYSTEM, max_length=48, seed=5))
+    body = request_body(spec, p.messages, p.settings, 48, 5, True)[0]
     raw, node = [], []
     for i in range(3):
         t = time.perf_counter()
@@ -216,10 +240,25 @@ def test_wrong_model_lists_the_served_models(tserve, comfy_mod):
     assert "does not serve model 'Qwen/Not-Served'" in msg and str(tserve.model) in msg and "It serves" in msg
 
 
-def test_missing_key_variable_is_named(tserve, comfy_mod, monkeypatch):
+def test_key_variable_unpaired_then_paired_but_unset(tserve, comfy_mod, monkeypatch, user_dir):
     monkeypatch.delenv(KEY_VAR, raising=False)
+    with pytest.raises(ValueError, match=f"does not pair {KEY_VAR} with"):
+        _run_node(**_lists(tserve, api_key_env=KEY_VAR))
+    _pair(user_dir, (tserve.base_url, KEY_VAR))
     with pytest.raises(ValueError, match=f"environment variable {KEY_VAR} .*not set"):
         _run_node(**_lists(tserve, api_key_env=KEY_VAR))
+
+
+def test_images_the_server_drops_are_named_in_the_status(tserve, comfy_mod):
+    """The tiny model is text-only: transformers serve keeps the text parts of the user turn and drops the
+    image without a word; the prompt token count it reports shows it (a 1024 x 1024 image alone is about
+    1024 tokens)."""
+    import torch
+
+    image = torch.rand(1, 1024, 1024, 3)
+    out = _run_node(**_lists(tserve, preset="edit", prompt="<image1> at night", max_length=8), image1=[image])
+    status = out[7][0].split("\n")
+    assert any(line.startswith("The server dropped the image") for line in status[:2]), status
 
 
 def test_four_prompts_run_concurrently_in_order(tserve, comfy_mod, monkeypatch):
@@ -279,8 +318,10 @@ def comfy_server(tmp_path_factory, tserve):
     base = tmp_path_factory.mktemp("comfy_pe_server")
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / ci.PACK_DIR_NAME).symlink_to(ROOT)
+    (base / "user").mkdir()
+    _pair(base / "user", (tserve.base_url, KEY_VAR))  # the user pairs the key with the server, outside workflows
     hub = ci._prompt_hub()
-    env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(base / "hf"), **{KEY_VAR: KEY})
+    env = dict(os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(base / "hf"), HF_TOKEN=HF_FAKE, **{KEY_VAR: KEY})
     env.pop("HF_HUB_OFFLINE", None)
     try:
         with ci.running_comfyui(comfy, base, env) as srv:
@@ -349,9 +390,9 @@ def test_comfyui_text_to_image_run_and_key_never_shown(comfy_server, tserve):
     assert KEY_VAR in saved and KEY not in saved  # the variable's name is in the workflow, never the key
 
 
-def test_comfyui_cancel_mid_stream_then_good_run(comfy_server, tserve):
-    srv = comfy_server
-    pid = _queue(srv, _graph(srv, tserve, max_length=4000, seed=7))
+def _cancel_when_running(srv, pid) -> tuple[list[float], float]:
+    """Cancel prompt ``pid`` (``POST /interrupt``) once it reported progress three times; the times
+    ComfyUI said it was interrupted, and when Cancel was pressed (``time.perf_counter``)."""
     end = time.time() + 60
     while len(srv.ws.of("progress", pid)) < 3 and time.time() < end:
         time.sleep(0.01)
@@ -360,6 +401,13 @@ def test_comfyui_cancel_mid_stream_then_good_run(comfy_server, tserve):
     h = srv.wait(pid, timeout=60)
     done = [t for t, _ in srv.ws.of("execution_interrupted", pid)]
     assert h["status"]["status_str"] == "error" and done, h["status"]
+    return done, clicked
+
+
+def test_comfyui_cancel_mid_stream_then_good_run(comfy_server, tserve):
+    srv = comfy_server
+    pid = _queue(srv, _graph(srv, tserve, max_length=4000, seed=7))
+    done, clicked = _cancel_when_running(srv, pid)
     print(f"CANCEL LATENCY (ComfyUI server): {(done[0] - clicked) * 1000:.0f} ms from POST /interrupt")
     h = srv.wait(_queue(srv, _graph(srv, tserve, seed=8)), timeout=120)
     assert h["status"]["status_str"] == "success", ci._error(h)
@@ -380,3 +428,105 @@ def test_comfyui_list_of_four_prompts_in_order(comfy_server, tserve):
     assert h["status"]["status_str"] == "success", ci._error(h)
     assert ci._texts(h)["p0"] == prompts
 
+
+
+def pieces(secret: str, text: str, n: int = 8) -> list[str]:
+    """Oracle: the n-character pieces of ``secret`` found in ``text`` (brute force)."""
+    return sorted({secret[i:i + n] for i in range(len(secret) - n + 1) if secret[i:i + n] in text})
+
+
+def _node_graph(srv, **inputs) -> dict:
+    """The server node with the node's own defaults (from ComfyUI's /object_info) but for ``inputs``, and
+    previews of rewritten_prompt (p0) and status (p7)."""
+    info = srv.object_info[NODE]["input"]
+    values = {k: spec[1]["default"] for part in ("required", "optional") for k, spec in info.get(part, {}).items()
+              if isinstance(spec[1], dict) and "default" in spec[1]}
+    values.update(inputs)
+    return {"1": {"class_type": NODE, "inputs": values},
+            "p0": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}},
+            "p7": {"class_type": "PreviewAny", "inputs": {"source": ["1", 7]}}}
+
+
+def test_comfyui_node_defaults_answer(comfy_server, tserve):
+    """Every input at the node's default (api auto, official system prompt, sampling, seed 42), but where the
+    server is, its model, a prompt, and max_length (the official 16256 would take the tiny random model on
+    two CPU cores many minutes)."""
+    srv = comfy_server
+    g = _node_graph(srv, base_url=tserve.base_url, model=str(tserve.model), prompt="a lighthouse at dawn",
+                    max_length=24)
+    assert g["1"]["inputs"]["api"] == "auto" and g["1"]["inputs"]["seed"] == 42
+    h = srv.wait(_queue(srv, g), timeout=120)
+    assert h["status"]["status_str"] == "success", ci._error(h)
+    status = ci._texts(h)["p7"][0]
+    assert "api auto: transformers" in status and "transformers server" in status, status
+
+
+def test_comfyui_shipped_server_workflow_runs(comfy_server, tserve):
+    """The shipped API twin, its server node pointed at this test's server (and a short max_length)."""
+    srv = comfy_server
+    prompt = json.loads((ROOT / "workflows" / "api" / "pe_text_to_image_server_api.json").read_text())
+    node = next(n for n in prompt.values() if n["class_type"] == NODE)
+    node["inputs"].update(base_url=tserve.base_url, model=str(tserve.model), max_length=24)
+    h = srv.wait(_queue(srv, prompt), timeout=120)
+    assert h["status"]["status_str"] == "success", ci._error(h)
+    assert ci._texts(h)
+
+
+def test_comfyui_hf_token_goes_only_where_the_user_paired_it(comfy_server):
+    """A workflow names HF_TOKEN (set in the ComfyUI process) for a loopback host: refused before any
+    connection, the message naming the entry to add. Paired by the user, it is sent; the server echoes the
+    Authorization header as its model name, in its answer and in an error body: no 8 characters of the token
+    anywhere (log, status, /history, the websocket)."""
+    srv = comfy_server
+
+    def reply(req):
+        auth = req["headers"].get("Authorization", "")
+        if "error please" in json.dumps(req["body"]):
+            return Reply(status=400, error_body=json.dumps({"error": {"message": "y" * 380 + auth}}).encode())
+        return Reply(answer_events(f'{{"rewritten_prompt": "echo {auth}", "wh_ratio": "1:1"}}', reasoning=auth,
+                                   model=auth))
+
+    echo = OpenAIServer(reply)
+    pairing = srv.base_dir / "user" / "qwen35_fast_servers.json"
+    kept = pairing.read_text()
+    try:
+        g = _node_graph(srv, base_url=echo.base_url, model="test-model", api_key_env="HF_TOKEN", prompt="a fox",
+                        system_prompt=SYSTEM, max_length=64, seed=11)
+        h = srv.wait(_queue(srv, g), timeout=60)
+        msg = ci._error(h)["exception_message"]
+        entry = json.dumps({"base_url": f"http://127.0.0.1:{echo.port}/v1", "api_key_env": "HF_TOKEN"})
+        assert "does not pair HF_TOKEN" in msg and entry in msg, msg
+        assert echo.connections == 0
+        _pair(srv.base_dir / "user", (echo.base_url, "HF_TOKEN"))
+        h = srv.wait(_queue(srv, {**g, "1": {**g["1"], "inputs": {**g["1"]["inputs"], "seed": 12}}}), timeout=60)
+        assert h["status"]["status_str"] == "success", ci._error(h)
+        assert echo.requests[-1]["headers"]["Authorization"] == f"Bearer {HF_FAKE}"
+        bad = {**g["1"]["inputs"], "seed": 13, "prompt": "error please"}
+        h2 = srv.wait(_queue(srv, {**g, "1": {**g["1"], "inputs": bad}}), timeout=60)
+        assert h2["status"]["status_str"] == "error"
+        seen = (json.dumps(srv.get("/history")) + srv.log_path.read_text() + json.dumps(srv.ws.messages))
+        assert "echo" in seen and "y" * 100 in seen  # the echoed answer and error did arrive, redacted
+        assert not pieces(HF_FAKE, seen), pieces(HF_FAKE, seen)
+    finally:
+        pairing.write_text(kept)
+        echo.stop()
+
+
+def test_comfyui_cancel_a_5000_events_a_second_stream_then_max_length_64(comfy_server):
+    srv = comfy_server
+    fast = OpenAIServer(lambda req: Reply(rate=5000, endless_event=chunk("x"), framing="close"))
+    try:
+        g = _node_graph(srv, base_url=fast.base_url, model="test-model", prompt="a fox", system_prompt=SYSTEM,
+                        max_length=65536, thinking=False, seed=21)
+        done, clicked = _cancel_when_running(srv, _queue(srv, g))
+        print(f"CANCEL LATENCY at 5,000 events/s: {(done[0] - clicked) * 1000:.0f} ms; server saw the close after "
+              f"{((fast.closed_at or clicked) - clicked) * 1000:.0f} ms")
+        assert done[0] - clicked < 1.0
+        assert fast.closed.wait(1.0) and fast.closed_at - clicked < 1.0
+        g["1"]["inputs"].update(max_length=64, seed=22)
+        h = srv.wait(_queue(srv, g), timeout=60)
+        assert h["status"]["status_str"] == "success", ci._error(h)
+        status = ci._texts(h)["p7"][0]
+        assert status.startswith("Cut at max_length 64") and ": 64 tokens in" in status, status
+    finally:
+        fast.stop()
