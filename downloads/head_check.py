@@ -1,7 +1,9 @@
 """The whole check of a downloaded MTP head file, before it is renamed into place and whenever it
 is reused: the pack's header rules (``safetensors_header``), safetensors' own parser
 (``safe_open``), exactly the expected ``mtp.*`` names and shapes in float dtypes, finite values,
-and the sha256 of its data section recorded in its ``__metadata__`` when it was verified.
+and the sha256 of its data section recorded in its ``__metadata__`` when it was written
+(``data_sha256``: the bytes as received, for a head fetched by range reads, whose metadata then also
+says in ``data_checked`` what those bytes were checked for; see ``mtp_fetch``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from .safetensors_header import local_header, tensor_shapes
 FLOAT_DTYPES = ("F16", "BF16", "F32")
 SHA_KEY = "data_sha256"      # __metadata__ key holding the hex sha256 of the data section
 SHA_PLACEHOLDER = "0" * 64   # written first, replaced in place once the data is verified
+CHECKED_KEY = "data_checked"  # __metadata__ key: what the bytes behind data_sha256 were checked for
+#: ``CHECKED_KEY`` of a head fetched by range reads (the Hub's sha256 covers whole shards only)
+RANGES_CHECKED = ("range reads: Content-Range, sizes, the shard headers, shapes and finite values; not the Hub's "
+                  "sha256, which covers whole shards")
 
 
 MTP_PREFIXES = ("mtp.", "model.mtp.")  # an MTP head's tensor names (base repositories: mtp.*)
@@ -60,16 +66,37 @@ def data_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def record_sha256(path: str) -> None:
-    """Write the data section's sha256 over the header's placeholder (same length, so in place)."""
+def record_sha256(path: str, expected: str | None = None) -> None:
+    """Write the data section's sha256 over the header's placeholder (same length, so in place);
+    with ``expected`` (the hex sha256 of the bytes meant to be there), FetchError unless the data
+    section is exactly those bytes."""
     start = data_start(path)
+    digest = data_sha256(path)
+    if expected is not None and digest != expected:
+        raise FetchError(f"The data in {os.path.basename(path)} differs from the bytes received (written over "
+                         "while it was downloaded, or a failing disk); it was removed, run again.")
     with open(path, "r+b") as f:
         raw = f.read(start)
         at = raw.find(f'"{SHA_KEY}":"{SHA_PLACEHOLDER}"'.encode())
         if at < 0:
             raise FetchError(f"{os.path.basename(path)} has no {SHA_KEY} placeholder; delete it and run again.")
         f.seek(at + len(f'"{SHA_KEY}":"'))
-        f.write(data_sha256(path).encode())
+        f.write(digest.encode())
+
+
+def source_unchecked(path: str) -> str | None:
+    """What the bytes of the head at ``path`` were checked for, when that is less than the Hub's sha256:
+    the ``CHECKED_KEY`` text of a head fetched by range reads (``RANGES_CHECKED`` also for one such
+    head written before that key, known by its ``source_files``; its values may differ from the
+    Hub's file); None for a head written from complete local files (``tools/extract_mtp_head.py``)
+    or one whose header cannot be read."""
+    try:
+        meta = local_header(path).get("__metadata__", {})
+    except FetchError:
+        return None
+    if CHECKED_KEY not in meta and "source_files" in meta:  # fetched by range reads before data_checked existed
+        return RANGES_CHECKED
+    return meta.get(CHECKED_KEY)
 
 
 def check_head(path: str, *, shapes: dict | None, finite: bool, fix: str) -> None:
@@ -98,10 +125,11 @@ def check_head(path: str, *, shapes: dict | None, finite: bool, fix: str) -> Non
                              f"({', '.join(FLOAT_DTYPES)}). {fix}")
     recorded = header.get("__metadata__", {}).get(SHA_KEY)
     if recorded is None or recorded == SHA_PLACEHOLDER:
-        raise FetchError(f"{where} carries no verified checksum ({SHA_KEY}): it was not written by a complete, "
-                         f"verified download. {fix}")
+        raise FetchError(f"{where} carries no checksum ({SHA_KEY}): it was not written by a complete download "
+                         f"or by tools/extract_mtp_head.py. {fix}")
     if data_sha256(path) != recorded:
-        raise FetchError(f"{where} changed since it was downloaded and verified (sha256 differs). {fix}")
+        raise FetchError(f"{where} changed since it was written (its data no longer matches the sha256 recorded "
+                         f"then). {fix}")
     _safetensors_check(path, list(shapes), finite, fix)
 
 

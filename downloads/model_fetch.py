@@ -21,7 +21,8 @@ import logging
 import math
 import os
 
-from .hub_client import MIB, PART, FetchError, Progress, endpoint, hub_download
+from . import file_lock, part_file
+from .hub_client import MIB, FetchError, Progress, endpoint, hub_download
 from .mtp_fetch import INDEX_FILE, MTP_BASE_REPOS, fetch_mtp_head
 from .safetensors_header import local_header, tensor_shapes
 from .transfer import Check
@@ -93,11 +94,25 @@ def _download_prompt(repo: str, path: str) -> None:
         raise FetchError(f"{repo}/{PROMPT_FILE} is not UTF-8 text; report it, or fetch it by hand: {by_hand}") from exc
     if not text.strip():
         raise FetchError(f"{repo}/{PROMPT_FILE} from {endpoint()} is empty; fetch it by hand: {by_hand}")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + PART
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as exc:
+        raise FetchError(f"Cannot create {os.path.dirname(path)} ({exc.strerror or exc}); check the models "
+                         "folder's permissions.") from exc
+    with file_lock.locked(path):
+        if os.path.isfile(path):
+            return
+        tmp, fd = part_file.create_unique(path)  # O_EXCL: a planted symlink is skipped, never followed
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(text.encode("utf-8"))
+            os.replace(tmp, path)
+        except BaseException as exc:
+            part_file.remove(tmp)
+            if isinstance(exc, OSError):
+                raise FetchError(f"Cannot write {path} ({exc.strerror or exc}); check the folder's permissions "
+                                 "and free space.") from exc
+            raise
     log.info("Fetched the official system prompt of %s (%s; not redistributed by this pack) into %s",
              repo, PROMPT_LICENSE, path)
     _license_logged.add(repo)

@@ -1,9 +1,17 @@
 """The MTP head of a Qwen3.5 base model, fetched by HTTP range reads: only the ``mtp.*`` tensors
 of the shards that hold them (about 0.5 GB for 9B instead of its 19 GB), written as one
-safetensors file through a ``.part`` file that a later call resumes (``transfer``), one fetch at a
-time per file, and checked completely (``head_check``: names, shapes, float dtypes, finite values,
-safetensors' own parser) with the sha256 of its data recorded before it is moved into place. A
-head found in place is re-checked by that sha256 before it is used.
+safetensors file through a ``.part`` file that a later call resumes (``transfer``; what is already
+there re-read and checked against the part's ledger first), one fetch at a time per file, and
+checked completely (``head_check``: names, shapes, float dtypes, finite values, safetensors' own
+parser) before it is moved into place.
+
+What range reads cannot give: the Hub publishes the sha256 of each whole shard only, so bytes read
+by ranges are checked for everything but their values (each reply's ``Content-Range``, sizes,
+the shard's header against the index, shapes, finite values). The sha256 recorded in the head
+(``data_sha256``) is the one of the bytes as received, and the file is refused unless its data is
+exactly those bytes; ``data_checked`` in its metadata says what was and was not checked, so that
+the recorded checksum never vouches for more (``head_check.source_unchecked``). A head found in
+place is re-checked by that sha256 before it is used.
 """
 
 from __future__ import annotations
@@ -14,7 +22,16 @@ import os
 import struct
 
 from . import transfer
-from .head_check import FLOAT_DTYPES, MTP_PREFIXES, SHA_KEY, SHA_PLACEHOLDER, check_head, record_sha256
+from .head_check import (
+    CHECKED_KEY,
+    FLOAT_DTYPES,
+    MTP_PREFIXES,
+    RANGES_CHECKED,
+    SHA_KEY,
+    SHA_PLACEHOLDER,
+    check_head,
+    record_sha256,
+)
 from .hub_client import (
     MIB,
     PART,
@@ -107,7 +124,8 @@ def _plan(repo: str, revision: str) -> tuple[bytes, list[transfer.Piece], int, s
                 pieces.append(transfer.Piece(remote, data_start + b, data_start + e, pos))
             pos += e - b
     out_header["__metadata__"] = {"format": "pt", "source": f"mtp.* tensors of {repo}@{commit}",
-                                  "source_files": json.dumps(sources, sort_keys=True), SHA_KEY: SHA_PLACEHOLDER}
+                                  "source_files": json.dumps(sources, sort_keys=True), SHA_KEY: SHA_PLACEHOLDER,
+                                  CHECKED_KEY: RANGES_CHECKED}
     raw = json.dumps(out_header, sort_keys=True, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw, pieces, pos, commit
@@ -180,41 +198,40 @@ def _download(repo: str, revision: str, dest: str, expected_shapes: dict | None,
     planned = tensor_shapes(json.loads(header_bytes[8:]))
     _check_names(planned, expected_shapes, f"{repo}@{commit[:12]}", "Pick the base repository of this model's size.")
 
-    part = dest + PART
-    done = _resume_point(part, header_bytes, total)
+    ledger = transfer.Ledger(dest + PART, len(header_bytes))
+    done = _resume_point(ledger, header_bytes, total, check)
     if done:
         log.info("Resuming the MTP head download of %s at %.0f of %.0f MiB", repo, done / MIB, total / MIB)
     else:
         log.info("Downloading the MTP head of %s (%.0f MiB of mtp.* tensors, by range reads) into %s",
                  repo, total / MIB, dest)
-        with transfer.open_part(part, append=False) as f:
-            f.write(header_bytes)
+        ledger.start(header_bytes)
     if progress:
         progress(done, total)
-    transfer.copy_pieces(part, len(header_bytes), pieces, done, total, what=f"the MTP head of {repo}",
-                         progress=progress, check=check, retries=retries)
+    transfer.copy_pieces(ledger, pieces, done, total, what=f"the MTP head of {repo}", progress=progress, check=check,
+                         retries=retries)
 
     def verify(path: str) -> None:
         if os.path.getsize(path) != len(header_bytes) + total:
             raise FetchError(f"{os.path.basename(path)} has {os.path.getsize(path)} bytes, expected "
                              f"{len(header_bytes) + total}; it was removed, run again.")
-        record_sha256(path)
+        record_sha256(path, expected=ledger.sha256())
         check_head(path, shapes=expected_shapes or planned, finite=True,
                    fix=f"The download was removed; if this repeats, the files of {repo} on {endpoint()} are broken.")
 
-    transfer.finish(part, dest, verify)
-    log.info("MTP head of %s written to %s (verified, sha256 recorded)", repo, dest)
+    transfer.finish(ledger, dest, verify)
+    log.info("MTP head of %s written to %s (checked: %s; sha256 of the bytes received recorded)", repo, dest,
+             RANGES_CHECKED)
 
 
-def _resume_point(part: str, header_bytes: bytes, total: int) -> int:
-    """Data bytes already in ``part`` when it was started with the same header (same source files), else 0."""
-    if not transfer.part_exists(part):
-        return 0
-    with open(part, "rb") as f:
-        same = f.read(len(header_bytes)) == header_bytes
-    size = os.path.getsize(part) - len(header_bytes)
-    if same and 0 <= size <= total:
-        return size
-    log.info("Discarding %s: it belongs to another version of the source files", part)
-    os.remove(part)
-    return 0
+def _resume_point(ledger: transfer.Ledger, header_bytes: bytes, total: int, check: transfer.Check | None) -> int:
+    """Data bytes already in the part, re-read and checked against its ledger, when it was started with
+    the same header (same source files); else 0 (the part removed)."""
+    if transfer.part_exists(ledger.part):
+        with open(ledger.part, "rb") as f:
+            same = f.read(len(header_bytes)) == header_bytes
+        if not same or os.path.getsize(ledger.part) - len(header_bytes) > total:
+            log.info("Discarding %s: it belongs to another version of the source files", ledger.part)
+            ledger.discard()
+            return 0
+    return ledger.resume(check)

@@ -105,22 +105,23 @@ def parse_header(raw: bytes, where: str) -> dict:
     return header
 
 
-def local_header(path: str) -> dict:
-    """The JSON header of a local safetensors file (no tensor data read), checked by the rules above."""
+def local_header(path: str, fix: str = "delete it and download it again") -> dict:
+    """The JSON header of a local safetensors file (no tensor data read), checked by the rules above;
+    every FetchError names ``path`` and ends with ``fix`` (what the caller's user should do)."""
     where = os.path.basename(path)
-    fix = "delete it and download it again"
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise FetchError(f"{path} is empty or truncated: {fix}.")
+                raise FetchError(f"{path} is empty or truncated (not a safetensors file): {fix}.")
             (n,) = struct.unpack("<Q", head)
             size = os.fstat(f.fileno()).st_size
             if n > min(MAX_HEADER, size - 8):
-                raise FetchError(f"{path} has a broken safetensors header: {fix}.")
+                raise FetchError(f"{path} is not a safetensors file, or its header is broken: {fix}.")
             raw = f.read(n)
     except OSError as exc:
-        raise FetchError(f"Cannot read {path!r} ({exc}).") from exc
+        raise FetchError(f"Cannot read {path!r} ({exc.strerror or exc}); check that it exists and can be read."
+                         ) from exc
     try:
         header = parse_header(raw, where)
         check_header(header, size - 8 - n, where)

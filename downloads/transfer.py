@@ -1,7 +1,9 @@
-"""Writing a download into place, never half-written: one fetch per destination at a time (a
-``filelock`` file beside it, so threads and processes wait for each other), a ``.part`` file
-(never a symlink) appended by range reads and resumed by the next call, and a rename only after
-the caller's verification passed (a part that fails it is removed).
+"""Writing a download into place, never half-written: one fetch per destination at a time
+(``file_lock.locked``: threads and processes wait for each other, no lock file is left behind), a
+``.part`` file (never a symlink) appended by range reads whose every run of bytes is recorded in
+its ledger (``part_file.Ledger``), so that the next call re-reads and checks what is there before
+it resumes, and a rename only after the caller's verification passed (a part that fails it is
+removed, with its ledger).
 """
 
 from __future__ import annotations
@@ -9,17 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from .file_lock import LOCK, Check, locked
 from .hub_client import MIB, TICK, Expired, FetchError, Interrupted, Progress, Remote, read_range, resolve
+from .part_file import Ledger, open_part, part_exists
+
+__all__ = ["CHUNK", "LOCK", "Check", "Ledger", "Piece", "copy_pieces", "finish", "locked", "open_part",
+           "part_exists"]
 
 log = logging.getLogger(__name__)
 
-Check = Callable[[], None]  # called while waiting; raises (e.g. ComfyUI's interrupt) to cancel
-LOCK = ".lock"
-CHUNK = 16 * MIB           # bytes per range request
+CHUNK = 16 * MIB           # bytes per range request (and per ledger line)
 
 
 @dataclass
@@ -32,69 +36,23 @@ class Piece:
     out: int
 
 
-@contextmanager
-def locked(dest: str, check: Check | None = None) -> Iterator[None]:
-    """Hold the lock ``dest + '.lock'`` (waiting for another thread or process that holds it, with
-    ``check`` called every ``TICK`` seconds), so that only one fetch of ``dest`` runs at a time."""
-    try:
-        import filelock
-    except ImportError as exc:
-        raise FetchError("filelock is not installed (ComfyUI installs it): run 'python -m pip install filelock'."
-                         ) from exc
-    lock = filelock.FileLock(dest + LOCK)
-    waited = False
-    while True:
-        try:
-            lock.acquire(timeout=TICK)
-            break
-        except filelock.Timeout:
-            if not waited:
-                log.info("Waiting for another download of %s to finish", os.path.basename(dest))
-                waited = True
-            if check is not None:
-                check()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def part_exists(part: str) -> bool:
-    """True when a part file is there; FetchError when a symlink or anything but a regular file is."""
-    if os.path.islink(part) or (os.path.lexists(part) and not os.path.isfile(part)):
-        raise FetchError(f"{part} is a symbolic link or not a regular file; downloads never write through one. "
-                         "Delete it and run again.")
-    return os.path.isfile(part)
-
-
-def open_part(part: str, append: bool):
-    """``part`` opened for writing (appending or truncated); FetchError when it is a symlink or not a
-    plain file (a download never writes through a link)."""
-    part_exists(part)
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        fd = os.open(part, flags, 0o644)
-    except OSError as exc:
-        raise FetchError(f"Cannot write {part} ({exc}); check the folder's permissions and free space.") from exc
-    return os.fdopen(fd, "ab" if append else "wb")
-
-
-def copy_pieces(part: str, base: int, pieces: list[Piece], done: int, total: int, *, what: str,
-                progress: Progress | None = None, check: Check | None = None, retries: int = 3,
-                on_block: Callable[[bytes], None] | None = None) -> None:
-    """Append the data of ``pieces`` from data offset ``done`` to ``total`` to ``part`` (whose first
-    ``base`` bytes are not data). A broken or mislabelled transfer is retried from the last byte
-    written, up to ``retries`` times in a row without progress; an expired signed address is
-    resolved again once per position (refused again before a byte arrives: FetchError naming the
-    expired address). ``on_block`` sees every data byte written, in order."""
+def copy_pieces(ledger: Ledger, pieces: list[Piece], done: int, total: int, *, what: str,
+                progress: Progress | None = None, check: Check | None = None, retries: int = 3) -> None:
+    """Append the data of ``pieces`` from data offset ``done`` to ``total`` to ``ledger``'s part file
+    (whose first ``ledger.base`` bytes are not data), every byte added to the ledger and each range
+    request's bytes sealed in it once written. A broken or mislabelled transfer is retried from the
+    last byte written, up to ``retries`` times in a row without progress; an expired signed address
+    is resolved again once per position (refused again before a byte arrives: FetchError naming
+    the expired address). Whatever stops the copy leaves the part cut back to the bytes the ledger
+    holds, so the next call resumes there."""
+    part, base = ledger.part, ledger.base
     failures = 0
     renewed: dict[str, int] = {}  # file -> data offset at its last renewal
     cursor = [done]               # data bytes written and accounted for
     while cursor[0] < total:
         before = cursor[0]
         try:
-            _copy_once(part, base, pieces, cursor, total, progress, check, on_block)
+            _copy_once(ledger, pieces, cursor, total, progress, check)
         except Interrupted as exc:
             if cursor[0] > before:
                 failures = 0
@@ -114,29 +72,34 @@ def copy_pieces(part: str, base: int, pieces: list[Piece], done: int, total: int
             _pause(min(2.0 ** failures, 8.0) * 0.25, check)
         finally:
             _truncate(part, base + cursor[0])
+            ledger.seal()
 
 
-def _copy_once(part, base, pieces, cursor, total, progress, check, on_block) -> None:
-    with open_part(part, append=True) as f:
-        if f.tell() != base + cursor[0]:
-            raise FetchError(f"{part} changed while it was being written; delete it and run again.")
-        for piece in pieces:
-            length = piece.end - piece.start
-            if piece.out + length <= cursor[0]:
-                continue
-            offset = cursor[0] - piece.out  # > 0 only for the piece an interruption cut
-            while offset < length:
-                stop = min(length, offset + CHUNK)
-                for block in read_range(piece.remote, piece.start + offset, piece.start + stop, check):
-                    f.write(block)
-                    if on_block is not None:
-                        on_block(block)
-                    before = cursor[0]
-                    cursor[0] += len(block)
-                    offset += len(block)
-                    if progress and (cursor[0] // MIB != before // MIB or cursor[0] == total):
-                        progress(cursor[0], total)
-                f.flush()
+def _copy_once(ledger: Ledger, pieces, cursor, total, progress, check) -> None:
+    try:
+        with open_part(ledger.part, append=True) as f:
+            if f.tell() != ledger.base + cursor[0]:
+                raise FetchError(f"{ledger.part} changed while it was being written; delete it and run again.")
+            for piece in pieces:
+                length = piece.end - piece.start
+                if piece.out + length <= cursor[0]:
+                    continue
+                offset = cursor[0] - piece.out  # > 0 only for the piece an interruption cut
+                while offset < length:
+                    stop = min(length, offset + CHUNK)
+                    for block in read_range(piece.remote, piece.start + offset, piece.start + stop, check):
+                        f.write(block)
+                        ledger.add(block)
+                        before = cursor[0]
+                        cursor[0] += len(block)
+                        offset += len(block)
+                        if progress and (cursor[0] // MIB != before // MIB or cursor[0] == total):
+                            progress(cursor[0], total)
+                    f.flush()
+                    ledger.seal()
+    except OSError as exc:  # the disk (read_range turns network errors into Interrupted)
+        raise FetchError(f"Cannot write {ledger.part} ({exc.strerror or exc}); free some space on its disk and "
+                         "run again to resume.") from exc
 
 
 def _truncate(part: str, size: int) -> None:
@@ -176,12 +139,13 @@ def _pause(seconds: float, check: Check | None) -> None:
             check()
 
 
-def finish(part: str, dest: str, verify: Callable[[str], None]) -> None:
-    """``verify(part)`` (raising FetchError when wrong), then move ``part`` to ``dest``; a part that
-    fails is removed, so the next run starts clean."""
+def finish(ledger: Ledger, dest: str, verify: Callable[[str], None]) -> None:
+    """``verify(part)`` (raising FetchError when wrong), then move the part to ``dest`` and drop its
+    ledger; a part that fails is removed with its ledger, so the next run starts clean."""
     try:
-        verify(part)
+        verify(ledger.part)
     except FetchError:
-        os.remove(part)
+        ledger.discard()
         raise
-    os.replace(part, dest)
+    os.replace(ledger.part, dest)
+    ledger.discard()

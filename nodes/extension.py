@@ -9,6 +9,7 @@ from ..engine.errors import Qwen35Error
 from ..enhancer.server_backend import ServerError
 from ..kernels.launch import TableError
 from ..patches.comfy_bridge import Qwen35Unsupported
+from ..patches.convert_checks import ConversionError
 from ..patches.mtp_graft import MTPHeadError
 from .convert_node import Qwen35Save4bit
 from .enhancer_node import Qwen35PromptEnhancer
@@ -21,14 +22,18 @@ NODES = [Qwen35CLIPLoader, Qwen35PromptEnhancer, Qwen35LengthAwarePatch, Qwen35P
 #: The errors the pack's nodes raise for a user to read. ComfyUI names an error type by its class's
 #: module path, which for a custom node is the pack folder's file path
 #: ("/.../ComfyUI-Qwen35-Fast.downloads.hub_client.FetchError"); these carry ERROR_MODULE instead.
-USER_ERRORS = (FetchError, Qwen35Error, ServerError, TableError, Qwen35Unsupported, MTPHeadError)
+USER_ERRORS = (FetchError, Qwen35Error, ServerError, TableError, Qwen35Unsupported, MTPHeadError, ConversionError)
 ERROR_MODULE = "qwen35_fast"
 
 
 def short_error_names() -> None:
-    """Give every class in USER_ERRORS the module ERROR_MODULE, so ComfyUI shows "qwen35_fast.FetchError"."""
-    for cls in USER_ERRORS:
+    """Give every class in USER_ERRORS, and their subclasses, the module ERROR_MODULE, so ComfyUI shows
+    "qwen35_fast.FetchError"."""
+    todo = list(USER_ERRORS)
+    while todo:
+        cls = todo.pop()
         cls.__module__ = ERROR_MODULE
+        todo.extend(cls.__subclasses__())
 
 
 class Qwen35FastExtension(ComfyExtension):

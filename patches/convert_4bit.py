@@ -26,8 +26,15 @@ convrot_w4a4 weight is first clipped row by row where that lowers its rounding e
 
 Streamed: the header is computed first (every output shape follows from the source's), then each
 tensor is read (``safe_open``: memory-mapped), converted and appended, so the peak is one layer's
-float32 weight, not the model. Written to ``<out>.part``, flushed, then linked to its name, which
-must not exist (a file is never overwritten); on an error or Cancel the ``.part`` file is removed.
+float32 weight, not the model. One writer per output: the conversion holds the output's lock (the
+one downloads take, ``downloads.file_lock``; a second conversion of the same output waits, then
+finds the output written and stops with a ConversionError), writes a part file of its own, and
+verifies the written file against what was meant to be written before linking it to its name,
+which must not exist (``convert_file``: a file is never overwritten); on an error or Cancel the
+part file is removed. Source weights holding NaN or infinite values are refused, every such
+tensor named (nothing is clamped: such a file is damaged). Every bad input (not a safetensors file,
+a broken header, not Qwen3.5, the output being the source, a missing source or folder) is a
+``ConversionError`` naming the file and the fix (``convert_checks``).
 """
 
 from __future__ import annotations
@@ -36,16 +43,23 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..downloads import file_lock
+from ..downloads.hub_client import FetchError
 from ..kernels.packed4 import FORMATS
+from . import convert_checks as checks
+from .convert_checks import ConversionError, NonFinite
+from .convert_file import ConvertedFile, remove_stale_parts
 from .quant_values import (
     GROUP,
     INT8_ROWS,
+    NonFiniteWeight,
     int8_rows,
     nvfp4_input,
     planned,
@@ -57,14 +71,10 @@ from .quant_values import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMATS", "ConversionCancelled", "Step", "convert", "nvfp4_input", "output_name", "plan", "summary",
-           "w4a4_input"]
+__all__ = ["FORMATS", "ConversionCancelled", "ConversionError", "NonFinite", "Step", "convert", "nvfp4_input",
+           "output_name", "plan", "summary", "w4a4_input"]
 
 _LAYER = re.compile(r"^model\.language_model\.layers\.\d+\.(self_attn|linear_attn|mlp)\.[a-z_]+\.weight$")
-_ST = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-       torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
-       torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-_TORCH = {v: k for k, v in _ST.items()}
 _SUFFIXES = (".int8_convrot", ".int8", ".bf16", ".fp16", ".fp32", ".convrot_w4a4", ".nvfp4")
 EMBEDDING = "model.language_model.embed_tokens.weight"
 
@@ -96,32 +106,65 @@ def output_name(source: str | os.PathLike, fmt: str) -> str:
     return f"{stem}.{fmt}.safetensors"
 
 
-def _source_confs(f, keys: list[str]) -> dict[str, dict]:
+@contextmanager
+def _opened(path: Path) -> Iterator:
+    """``safe_open`` of a source whose header passed ``convert_checks.source_header``."""
+    from safetensors import safe_open
+
+    try:
+        f = safe_open(str(path), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors' own verdict on the file, whatever its type
+        raise ConversionError(f"safetensors cannot read {path} ({type(exc).__name__}: {exc}); convert an intact "
+                              "copy.") from exc
+    with f:
+        yield f
+
+
+def _source_confs(path: Path, f, keys: list[str]) -> dict[str, dict]:
     """``layer -> comfy_quant`` of the source: its per-layer tensors, then its header's metadata
-    (which wins, as in ``comfy.utils.convert_old_quants``)."""
-    confs = {k[: -len(".comfy_quant")]: json.loads(bytes(f.get_tensor(k).tolist()).decode("utf-8"))
-             for k in keys if k.endswith(".comfy_quant")}
+    (which wins, as in ``comfy.utils.convert_old_quants``); ConversionError naming a malformed one."""
+    confs = {}
+    for k in keys:
+        if k.endswith(".comfy_quant"):
+            t = f.get_tensor(k)
+            raw = bytes(t.reshape(-1).tolist()) if t.dtype == torch.uint8 else b""
+            confs[k[: -len(".comfy_quant")]] = checks.layer_conf(path, k, raw)
     meta = (f.metadata() or {}).get("_quantization_metadata")
     if meta:
-        confs.update(json.loads(meta).get("layers", {}))
+        entries = _json(path, meta).get("layers", {})
+        if not isinstance(entries, dict):
+            raise ConversionError(f"{path.name}: _quantization_metadata has no 'layers' object; the file is damaged, "
+                                  "convert an intact copy.")
+        confs.update({layer: checks.layer_conf(path, f"_quantization_metadata[{layer!r}]", conf)
+                      for layer, conf in entries.items()})
     return confs
 
 
-def plan(source: str | os.PathLike, fmt: str) -> list[Step]:
-    """What ``convert`` does with each weight of ``source`` (see the module docstring)."""
-    from safetensors import safe_open
+def _json(path: Path, raw: str) -> dict:
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ConversionError(f"{path.name}: _quantization_metadata is not JSON; the file is damaged, convert an "
+                              "intact copy.") from exc
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path.name}: _quantization_metadata is not a JSON object; the file is damaged, "
+                              "convert an intact copy.")
+    return value
 
+
+def plan(source: str | os.PathLike, fmt: str) -> list[Step]:
+    """What ``convert`` does with each weight of ``source`` (see the module docstring); ConversionError
+    (naming the fix) for a source that is not an intact Qwen3.5 safetensors file or an unknown format."""
     if fmt not in FORMATS:
-        raise ValueError(f"unknown 4-bit format {fmt!r}: one of {', '.join(FORMATS)}")
-    with safe_open(str(source), framework="pt") as f:
+        raise ConversionError(f"unknown 4-bit format {fmt!r}: one of {', '.join(FORMATS)}")
+    path = checks.source_path(source)
+    checks.qwen35(path, checks.source_header(path))
+    with _opened(path) as f:
         keys = list(f.keys())
-        confs = _source_confs(f, keys)
-        if "model.language_model.layers.0.linear_attn.A_log" not in keys:
-            raise ValueError(f"{source} is not a Qwen3.5 text encoder (no "
-                             "model.language_model.layers.0.linear_attn.A_log): pick the Qwen3.5 file")
+        confs = _source_confs(path, f, keys)
         steps = []
         for key in keys:
-            if key.endswith((".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale")):
+            if key.endswith((".comfy_quant", *checks.SCALE_SUFFIXES)):
                 continue
             layer = key[: -len(".weight")] if key.endswith(".weight") else key
             conf = confs.get(layer)
@@ -140,6 +183,8 @@ def plan(source: str | os.PathLike, fmt: str) -> list[Step]:
             elif fmt == "convrot_w4a4" and shape[1] % GROUP:
                 steps.append(Step(key, "keep", f"width {shape[1]} is no multiple of the ConvRot group {GROUP}", conf))
             else:
+                if conf is not None:
+                    checks.int8_layer(path, key, conf, shape, keys)
                 steps.append(Step(key, "quantize", "", conf))
     return steps
 
@@ -152,21 +197,52 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, *,
             progress: Callable[[int, int, str], None] | None = None, cancelled: Callable[[], bool] | None = None,
             device: str | torch.device | None = None, errors: dict[str, float] | None = None) -> Path:
     """Write ``out_dir/output_name(source, fmt)`` (see the module docstring) and return its path.
-    ``progress(done, total, key)`` after each source weight; ``cancelled()`` True stops (the
-    ``.part`` file is removed, ``ConversionCancelled`` raised). ``device``: where kitchen quantizes
-    (default: CUDA when there is one). ``errors``: filled with each quantized layer's relative weight
-    error ``|W4 - W| / |W|`` (W4 as ComfyUI dequantizes the written tensors). FileExistsError when
-    the output exists (delete or rename it first)."""
-    from safetensors import safe_open
-
+    ``progress(done, total, key)`` after each source weight; ``cancelled()`` True stops (also while
+    waiting for another conversion of the same output; the part file is removed,
+    ``ConversionCancelled`` raised). ``device``: where kitchen quantizes (default: CUDA when there is
+    one). ``errors``: filled with each quantized layer's relative weight error ``|W4 - W| / |W|`` (W4
+    as ComfyUI dequantizes the written tensors). ConversionError (nothing written) for every bad
+    input, an existing output (never overwritten), NaN / inf weights (``NonFinite``) or a written
+    file that is not what was meant to be written."""
     steps = plan(source, fmt)
-    dst = Path(out_dir) / output_name(source, fmt)
-    if dst.exists():
-        raise FileExistsError(f"{dst} exists; delete or rename it to write it again (it is never overwritten)")
-    dev = torch.device(device) if device is not None else \
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    header, order, layers = {}, [], {}
-    with safe_open(str(source), framework="pt") as f:
+    src = Path(source)
+    dst = checks.output_path(src, out_dir, output_name(src, fmt), fmt)
+    if not any(s.action == "quantize" for s in steps):
+        whys = sorted({s.why for s in steps if s.action == "keep" and s.why.startswith(("already", "width"))})
+        raise ConversionError(f"{src.name} has no decoder projection that can be written as {fmt} ("
+                              f"{'; '.join(whys) or 'none found'}): nothing to convert.")
+    dev = checks.device(device)
+
+    def check() -> None:
+        if cancelled is not None and cancelled():
+            raise ConversionCancelled(f"cancelled: {dst.name} was not written")
+
+    try:
+        with file_lock.locked(str(dst), check, what=f"the conversion into {dst.name}"):
+            if dst.exists() or dst.is_symlink():
+                raise ConversionError(f"{dst} was written by another conversion while this one waited for it; it was "
+                                      "left as it is (use it, or move it away and convert again).")
+            remove_stale_parts(dst)
+            out = ConvertedFile(dst)
+            try:
+                _write(src, out, steps, fmt, dev, check, progress, errors)
+                out.finish()
+            except BaseException:
+                out.discard()
+                raise
+    except FetchError as exc:  # the lock file: a symbolic link there, or a folder that cannot be written
+        raise ConversionError(str(exc)) from exc
+    log.info("Qwen3.5: wrote %s (%s; %d layers quantized%s)", dst, fmt, sum(s.action == "quantize" for s in steps),
+             ", the embedding in int8" if any(s.action == "int8" for s in steps) else "")
+    return dst
+
+
+def _write(src: Path, out: ConvertedFile, steps: list[Step], fmt: str, dev: torch.device, check: Callable[[], None],
+           progress, errors) -> None:
+    """Every tensor of ``steps`` into ``out``, header first; NonFinite naming every source tensor that
+    holds NaN / inf (after the first one is met, the rest of the source is only scanned)."""
+    specs, order, layers = {}, [], {}
+    with _opened(src) as f:
         keys = set(f.keys())
         meta = {k: v for k, v in (f.metadata() or {}).items() if k != "_quantization_metadata"}
         for s in steps:  # the header first: every output's dtype and shape
@@ -174,64 +250,105 @@ def convert(source: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, *,
             if s.action in ("quantize", "int8"):
                 n, k = f.get_slice(s.key).get_shape()
                 for suffix, spec in planned(_target(s, fmt), n, k).items():
-                    header[s.key + suffix] = spec
+                    specs[s.key + suffix] = spec
                     order.append((s.key + suffix, s))
                 conf = dict(INT8_ROWS) if s.action == "int8" else \
                     {"format": fmt, "convrot_groupsize": GROUP} if fmt == "convrot_w4a4" else {"format": fmt}
             else:
                 conf = s.conf
-                for name in [s.key] + [layer + x for x in (".weight_scale", ".weight_scale_2", ".input_scale")
-                                       if s.conf is not None and layer + x in keys]:
+                for name in _stored(s, keys):
                     sl = f.get_slice(name)
-                    header[name] = (sl.get_dtype(), list(sl.get_shape()))
+                    specs[name] = (sl.get_dtype(), list(sl.get_shape()))
                     order.append((name, s))
             if conf is not None:
                 layers[layer] = conf
                 name = layer + ".comfy_quant"
-                header[name] = ("U8", [len(json.dumps(conf).encode("utf-8"))])
+                specs[name] = ("U8", [len(json.dumps(conf).encode("utf-8"))])
                 order.append((name, None))
         meta["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
-        finish = {s.key: name for name, s in order if s is not None}  # a step's last tensor
-        part = dst.with_name(dst.name + ".part")
-        try:
-            with open(part, "wb") as out:
-                _write_header(out, header, order, meta)
-                done, total, cache = 0, len(steps), {}
-                for name, s in order:
-                    if cancelled is not None and cancelled():
-                        raise ConversionCancelled(f"cancelled: {dst.name} was not written")
-                    if s is None:
-                        t = _marker(layers[name[: -len(".comfy_quant")]])
-                    elif s.action == "keep":
-                        t = f.get_tensor(name)
-                    else:
-                        if s.key not in cache and s.action == "int8":
-                            cache.clear()
-                            cache[s.key], err = int8_rows(f, s.key, dev)
-                            if errors is not None:
-                                errors[s.key] = err
-                        elif s.key not in cache:
-                            cache.clear()
-                            w = source_float(f, s.key, s.conf).to(dev)
-                            tensors, _ = quantized(w, _target(s, fmt))
-                            cache[s.key] = {k: v.cpu() for k, v in tensors.items()}
-                            if errors is not None:
-                                errors[s.key] = weight_error(cache[s.key], _target(s, fmt), w)
-                        t = cache[s.key][name[len(s.key):]]
-                    _append(out, name, t, header[name])
-                    if s is not None and finish[s.key] == name:
-                        done += 1
-                        if progress is not None:
-                            progress(done, total, s.key)
-                out.flush()
-                os.fsync(out.fileno())
-            _publish(part, dst)
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
-    log.info("Qwen3.5: wrote %s (%s; %d layers quantized%s)", dst, fmt, sum(s.action == "quantize" for s in steps),
-             ", the embedding in int8" if any(s.action == "int8" for s in steps) else "")
-    return dst
+        out.header(specs, [name for name, _ in order], meta)
+        last = {s.key: name for name, s in order if s is not None}  # a step's last tensor
+        done, cache, bad, seen = 0, {}, [], set()
+        for name, s in order:
+            check()
+            if s is None:
+                t = _marker(layers[name[: -len(".comfy_quant")]])
+            elif s.action == "keep":
+                seen.add(s.key)
+                t = f.get_tensor(name)
+                if not checks.finite(t):
+                    bad.append(name)
+                    break
+            else:
+                seen.add(s.key)
+                if s.key not in cache:
+                    cache.clear()
+                    try:
+                        cache[s.key] = _quantize(f, s, fmt, dev, keys, errors)
+                    except NonFiniteWeight as exc:
+                        bad.append(exc.key)
+                        break
+                t = cache[s.key][name[len(s.key):]]
+            out.append(name, t)
+            if s is not None and last[s.key] == name:
+                done += 1
+                if progress is not None:
+                    progress(done, len(steps), s.key)
+        if bad:
+            for s in steps:
+                if s.key not in seen:
+                    check()
+                    bad += [name for name in _stored(s, keys) if not _finite_stored(f, name)]
+            raise NonFinite(src.name, bad)
+
+
+def _stored(step: Step, keys) -> list[str]:
+    """The source tensors of ``step``: its weight, then its scales when it is a quantized layer."""
+    layer = step.key[: -len(".weight")]
+    return [step.key] + [layer + x for x in checks.SCALE_SUFFIXES if step.conf is not None and layer + x in keys]
+
+
+def _finite_stored(f, name: str) -> bool:
+    """True when the source tensor ``name`` holds only finite values (read in slices of rows)."""
+    sl = f.get_slice(name)
+    shape = sl.get_shape()
+    if sl.get_dtype() not in ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2"):
+        return True
+    if len(shape) < 2:
+        return checks.finite(f.get_tensor(name))
+    rows = max(1, checks.FINITE_SLICE // max(1, int(torch.tensor(shape[1:]).prod())))
+    return all(checks.finite(sl[lo:lo + rows]) for lo in range(0, shape[0], rows))
+
+
+def _quantize(f, s: Step, fmt: str, dev: torch.device, keys, errors) -> dict[str, torch.Tensor]:
+    """``{suffix: tensor}`` of step ``s`` as written (on the CPU); NonFiniteWeight for a source tensor
+    holding NaN / inf, ConversionError when comfy-kitchen fails on the layer."""
+    for name in _stored(s, keys)[1:]:  # an int8 layer's scales (its int8 values are always finite)
+        if not _finite_stored(f, name):
+            raise NonFiniteWeight(name)
+    try:
+        if s.action == "int8":
+            tensors, err = int8_rows(f, s.key, dev)
+        else:
+            w = source_float(f, s.key, s.conf).to(dev)
+            if not checks.finite(w):
+                raise NonFiniteWeight(s.key)
+            tensors, _ = quantized(w, _target(s, fmt))
+            tensors = {k: v.cpu() for k, v in tensors.items()}
+            err = weight_error(tensors, _target(s, fmt), w) if errors is not None else 0.0
+    except NonFiniteWeight:
+        raise
+    except Exception as exc:  # noqa: BLE001 - comfy-kitchen's failure on this layer, named for the user
+        raise ConversionError(f"{s.key}: comfy-kitchen could not convert it ({type(exc).__name__}: {exc}); nothing "
+                              "was written. Check that the source file is intact and comfy-kitchen is the version "
+                              "ComfyUI installs.") from exc
+    for suffix, t in tensors.items():
+        if not checks.finite(t):
+            raise ConversionError(f"{s.key}{suffix}: comfy-kitchen produced NaN or infinite values from finite "
+                                  "weights; nothing was written. Update comfy-kitchen, or report the layer.")
+    if errors is not None:
+        errors[s.key] = err
+    return tensors
 
 
 def _target(step: Step, fmt: str) -> str:
@@ -256,47 +373,3 @@ def summary(out: Path, steps: list[Step], errors: dict[str, float]) -> str:
             err = f", relative weight error {errors[s.key]:.3f}" if s.key in errors else ""
             line += f"; the embedding table in int8, a scale per row (half its memory{err})"
     return line + "; kept as in the source: " + "; ".join(f"{n} ({why})" for why, n in kept.items())
-
-
-def _write_header(out, header: dict, order: list, meta: dict) -> None:
-    entries, pos = {"__metadata__": meta}, 0
-    for name, _ in order:
-        dtype, shape = header[name]
-        size = _nbytes(dtype, shape)
-        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + size]}
-        pos += size
-    raw = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    out.write(len(raw).to_bytes(8, "little") + raw)
-
-
-def _nbytes(dtype: str, shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * _TORCH[dtype].itemsize
-
-
-def _append(out, name: str, t: torch.Tensor, spec: tuple[str, list[int]]) -> None:
-    """Write ``t``'s bytes, after checking it is what the header promised."""
-    dtype, shape = spec
-    if _ST.get(t.dtype) != dtype or list(t.shape) != list(shape):
-        raise RuntimeError(f"{name}: comfy-kitchen produced {t.dtype} {tuple(t.shape)}, not {dtype} {shape} as "
-                           "planned (an unsupported comfy-kitchen version?)")
-    out.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def _publish(part: Path, dst: Path) -> None:
-    """``part`` under the name ``dst``, which must not exist (a hard link fails if it does)."""
-    appeared = FileExistsError(f"{dst} appeared while converting; it was left as it is (delete or rename it and "
-                               "convert again)")
-    try:
-        os.link(part, dst)
-    except FileExistsError:
-        raise appeared from None
-    except OSError:  # no hard links on this filesystem: a checked rename
-        if dst.exists():
-            raise appeared from None
-        os.replace(part, dst)
-        return
-    part.unlink()

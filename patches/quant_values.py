@@ -12,8 +12,8 @@ import torch
 
 from ..kernels.packed4 import round_up
 
-__all__ = ["CLIP_RATIOS", "EMBEDDING_ROWS", "GROUP", "INT8_ROWS", "int8_rows", "nvfp4_input", "planned", "quantized",
-           "source_float", "w4a4_input", "weight_error"]
+__all__ = ["CLIP_RATIOS", "EMBEDDING_ROWS", "GROUP", "INT8_ROWS", "NonFiniteWeight", "int8_rows", "nvfp4_input",
+           "planned", "quantized", "source_float", "w4a4_input", "weight_error"]
 
 GROUP = 256  # ConvRot group of the written convrot_w4a4 layers (ComfyUI's default)
 INT8_ROWS = {"format": "int8_tensorwise"}  # the embedding's comfy_quant: int8, one float32 scale per row
@@ -101,18 +101,29 @@ def planned(fmt: str, n: int, k: int) -> dict[str, tuple[str, list[int]]]:
             "_scale_2": ("F32", [])}
 
 
+class NonFiniteWeight(ValueError):
+    """The source weight ``key`` holds NaN or infinite values."""
+
+    def __init__(self, key: str):
+        super().__init__(f"{key} holds NaN or infinite values")
+        self.key = key
+
+
 EMBEDDING_ROWS = 16384  # rows of the embedding table quantized at a time (256 MB of float32 at 4096 wide)
 
 
 def int8_rows(f, key: str, dev: torch.device) -> tuple[dict[str, torch.Tensor], float]:
     """({suffix: tensor} of the float table ``key`` in per-row int8, its relative weight error), the
     rows read, quantized and checked ``EMBEDDING_ROWS`` at a time (each row has its own scale, so
-    the result is the whole table's): the peak is one slice, not the 4 GB float32 table of the 9B."""
+    the result is the whole table's): the peak is one slice, not the 4 GB float32 table of the 9B.
+    NonFiniteWeight when a value of the table is NaN or infinite."""
     sl = f.get_slice(key)
     rows = sl.get_shape()[0]
     parts, sq_err, sq_ref = {}, 0.0, 0.0
     for lo in range(0, rows, EMBEDDING_ROWS):
         w = sl[lo:lo + EMBEDDING_ROWS].float().to(dev)
+        if not bool(torch.isfinite(w).all()):
+            raise NonFiniteWeight(key)
         tensors, _ = quantized(w, "int8")
         for suffix, t in tensors.items():
             parts.setdefault(suffix, []).append(t.cpu())

@@ -5,9 +5,10 @@ to download files: ``HEAD``/``GET /{repo}/resolve/{revision}/{path}`` with ``ETa
 port) in a thread; tests point ``HF_ENDPOINT`` at it, so the real client does the talking.
 
 It counts the body bytes served per file and misbehaves on request, per file: cut one response
-short (a broken connection), serve other bytes than asked under an honest ``Content-Range`` (a
-mirror off by some bytes), change one byte of a body (damage in transit), stall a body until
-released (a dead connection), or pause before each body (a slow link). A file can also be served
+short (a broken connection), serve other bytes than asked under a ``Content-Range`` that says so (a
+mirror off by some bytes), serve another version's bytes under the headers and ``Content-Range``
+of this one (a mirror holding a stale copy), change one byte of a body (damage in transit), stall
+a body until released (a dead connection), or pause before each body (a slow link). A file can also be served
 the way the Hub serves LFS files from its CDN: ``resolve`` answers 302 with a signed address on
 another origin (``localhost`` instead of ``127.0.0.1``), and each signed address serves a limited
 number of GETs before it answers 403 (expired); every resolve hands out a fresh one.
@@ -39,6 +40,9 @@ class FakeHub:
         self.shift: dict[tuple, list] = {}     # (repo, path) -> [offset, times, from]: ranges from byte `from`
         #                                        on are served this far on (`times` of them)
         self.flip: set[tuple] = set()          # (repo, path): change one byte of the next GET's body
+        self.swap: dict[tuple, list] = {}      # (repo, path) -> [other bytes, times]: the next `times` GET
+        #                                        bodies come from the other bytes (another version of the file,
+        #                                        same size) under the headers and Content-Range of this one
         self.stall: dict[tuple, int] = {}      # (repo, path) -> the next GET stops after this many bytes...
         self.stalled = threading.Event()       # ...sets this...
         self.release = threading.Event()       # ...and sends nothing more until this is set (then closes)
@@ -177,6 +181,10 @@ class _Handler(BaseHTTPRequestHandler):
         headers["Content-Length"] = str(len(payload))
         if not body:
             return self._send(code, headers, b"", body=False)
+        swap = fake.swap.get(key)
+        if swap and swap[1] > 0 and payload:
+            swap[1] -= 1
+            payload = swap[0][start:end]
         if key in fake.flip and payload:
             fake.flip.discard(key)
             payload = bytes([payload[0] ^ 0xFF]) + payload[1:]

@@ -5,8 +5,9 @@
 
 Writes ``<out>/<name>.convrot_w4a4.safetensors`` (or ``.nvfp4``; default folder: the source's), the
 same file the "Save Qwen3.5 4-bit" node writes (``patches/convert_4bit.py``: which tensors stay 8/16-bit
-and why, the format, streaming and the atomic rename). Never overwrites. Needs torch, safetensors and
-comfy-kitchen (ComfyUI's own quantizers).
+and why, the format, streaming, the lock and the verified, atomic publish). Never overwrites. A bad input
+exits with status 2 and one line naming the fix. Needs torch, safetensors and comfy-kitchen (ComfyUI's
+own quantizers).
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="where comfy-kitchen quantizes (default: cuda if present)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not args.source.is_file():
-        ap.error(f"{args.source} is not a file")
-    steps = convert_4bit.plan(args.source, args.format)
     errors: dict[str, float] = {}
 
     def progress(done: int, total: int, key: str) -> None:
         if done % 16 == 0 or done == total:
             log.info("%d / %d  %s", done, total, key)
 
-    out = convert_4bit.convert(args.source, args.out or args.source.parent, args.format, progress=progress,
-                               device=args.device, errors=errors)
+    try:
+        steps = convert_4bit.plan(args.source, args.format)
+        out = convert_4bit.convert(args.source, args.out or args.source.parent, args.format, progress=progress,
+                                   device=args.device, errors=errors)
+    except convert_4bit.ConversionError as exc:
+        log.error("%s", exc)
+        return 2
     log.info("%s", convert_4bit.summary(out, steps, errors))
     return 0
 

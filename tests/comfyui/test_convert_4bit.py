@@ -135,7 +135,7 @@ def test_never_overwrites_and_cancel_leaves_nothing(tmp_path):
     assert not list(tmp_path.glob("tiny.nvfp4*"))
     out = tmp_path / "tiny.nvfp4.safetensors"
     out.write_bytes(b"mine")
-    with pytest.raises(FileExistsError, match="never overwritten"):
+    with pytest.raises(convert_4bit.ConversionError, match="never overwritten"):
         convert_4bit.convert(src, tmp_path, "nvfp4", device="cpu")
     assert out.read_bytes() == b"mine"
     with pytest.raises(ValueError, match="one of"):

@@ -70,7 +70,7 @@ def test_wrong_content_range_is_retried_never_written(hub, repo, tmp_path, small
     dest = tmp_path / "b"
     with pytest.raises(mf.FetchError, match="Content-Range 'bytes .*Run again to resume"):
         mf.fetch_mtp_head("9B", str(dest), retries=2)
-    assert left_behind(dest) == [HEAD + ".part"]
+    assert left_behind(dest) == [HEAD + ".part", HEAD + ".part.sums"]  # kept to resume, with its ledger
     part = (dest / (HEAD + ".part")).read_bytes()
     assert len(part) == header_len(part)  # the header it wrote, not one byte of the wrong answers
 
@@ -152,8 +152,8 @@ def _no_checksum(header, data):
 @pytest.mark.parametrize("damage,match", [
     (_dtype, "stored as I(16|32), not a float dtype"), (_extra, "'mtp.extra.weight', which is not part"),
     (_float_offsets, "malformed"), (lambda h, d: d + bytes(8), "8 bytes follow the last tensor"),
-    (_overlap, "overlaps the tensor before it"), ("no checksum", "no verified checksum"),
-    ("changed", "changed since it was downloaded"),
+    (_overlap, "overlaps the tensor before it"), ("no checksum", "carries no checksum"),
+    ("changed", "changed since it was written"),
 ])
 def test_a_bad_head_in_place_is_named_with_delete_it(hub, repo, tmp_path, damage, match):
     files, sd = repo

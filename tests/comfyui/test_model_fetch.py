@@ -77,8 +77,8 @@ def repo(hub):
 
 
 def left_behind(folder) -> list[str]:
-    """Files in ``folder`` other than the download locks (kept beside their files, as filelock does)."""
-    return sorted(n for n in os.listdir(folder) if not n.endswith(".lock")) if os.path.exists(folder) else []
+    """Every file in ``folder`` (a download's lock file included: none may stay once it ends)."""
+    return sorted(os.listdir(folder)) if os.path.exists(folder) else []
 
 
 def expected_shapes(sd) -> dict:
