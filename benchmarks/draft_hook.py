@@ -2,10 +2,12 @@
 
 ``acceptance_hook(reference, p)`` replaces each draft (after the MTP head ran, so every step still
 costs what it costs) by the reference token at that position with probability ``p``, decided once
-per position with its own seeded generator, else by a token that is not the reference. With a
-greedy reference (the MTP-off tokens of the same prompt) a right draft is always accepted and a
-wrong one never, so each draft position is kept with probability ``p`` independently of the
-others: the acceptance a head of that quality would give, on any checkpoint, random ones included.
+per position with its own seeded generator, else by a token that is not the reference. With the
+MTP-off tokens of the same prompt, settings and seed as the reference (greedy, or sampled: the
+verify keeps a draft exactly when it equals the keyed draw MTP off made there) a right draft is
+always accepted and a wrong one never, so each draft position is kept with probability ``p``
+independently of the others: the acceptance a head of that quality would give, on any checkpoint,
+random ones included.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ reference token at that position with probability P (decided once per position),
 token. The reference is the MTP-off output of the same prompt with the same settings: greedy
 (every weight random but decisive, ``benchmarks.decode_e2e.build_model``, so greedy repeats with a
 large margin) and the prompt enhancer's text-to-image sampling (temperature 1, top-k 20, top-p
-0.95, presence penalty 1.5), where the decisive model still draws the reference token nearly
-always; each row records the acceptance it really got. Rows per mode and P, interleaved: off,
+0.95, presence penalty 1.5) with the same seed, whose tokens are the reference's at every depth
+(keyed draws); each row records the acceptance it really got. Rows per mode and P, interleaved: off,
 depth 1..5, auto (its cost book warm from the earlier rows, as in a ComfyUI process that has
 generated before), after one short untimed generation of each per mode (Triton compiles each
 depth's kernels on first use) and one of auto with no draft kept (row ``accept-warmup``: it

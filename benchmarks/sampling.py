@@ -2,8 +2,9 @@
 
 Times (the torch profiler's kernel durations per call): ``Sampler.draw_async`` with the prompt enhancer's
 text-to-image settings (top-k 20, top-p 0.95, presence penalty 1.5) and its parts: the penalties,
-``torch.topk``, the filtered softmax and the draw; greedy's argmax; and an MTP point-mass draft's
-token (the mode of the same distribution) through ``target_probs`` and through ``target_argmax``.
+``torch.topk``, the filtered softmax and the draw (noise keyed by seed and position); greedy's argmax;
+and an MTP point-mass draft's token (the mode of the same distribution) through ``target_probs`` and
+through ``target_argmax``.
 The decode loop pays the draw once per token on top of the model step.
 
 Usage: python benchmarks/sampling.py [--vocab 248320] [--json out.json]
@@ -28,7 +29,7 @@ from qwen35_fast.engine.distribution import (  # noqa: E402
     target_argmax,
     target_probs,
 )
-from qwen35_fast.engine.draw import multinomial_one  # noqa: E402
+from qwen35_fast.engine.draw import keyed_draw  # noqa: E402
 from qwen35_fast.engine.sampling import Sampler  # noqa: E402
 from qwen35_fast.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -55,20 +56,19 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     params = SamplingParams(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5)
-    sampler = Sampler(params, seed=0, stop_tokens=[], min_tokens=0, initial_tokens=list(range(0, 4000, 7)),
-                      device=dev, mtp_draft="argmax")
+    sampler = Sampler(params, seed=0, first_position=2000, stop_tokens=[], min_tokens=0,
+                      initial_tokens=list(range(0, 4000, 7)), device=dev, mtp_draft="argmax")
     logits = torch.randn(1, args.vocab, device=dev) * 4
     seen = sampler.seen_rows(None, 1, args.vocab)
     x = _penalised_tempered(logits, seen, params)
-    values, _ = torch.topk(x, 20)
+    values, ids = torch.topk(x, 20)
     probs = _filtered_softmax(values, params)
-    gen = torch.Generator(dev).manual_seed(0)
     rows = {
-        "draw_async (text-to-image settings)": lambda: sampler.draw_async(logits),
+        "draw_async (text-to-image settings)": lambda: sampler.draw_async(logits, 0),
         "penalties": lambda: _penalised_tempered(logits, seen, params),
         "topk 20": lambda: torch.topk(x, 20),
         "filtered softmax (top-p) of 20": lambda: _filtered_softmax(values, params),
-        "draw of 20 (multinomial_one)": lambda: multinomial_one(probs, gen),
+        "draw of 20 (keyed_draw)": lambda: keyed_draw(probs, ids, 12345),
         "greedy argmax": lambda: logits[0].argmax(),
         "point-mass draft before (target_probs, then argmax)": lambda: target_probs(logits, seen, params)[0].argmax(),
         "point-mass draft (target_argmax)": lambda: target_argmax(logits, seen, params),

@@ -14,7 +14,7 @@ import torch
 from .config import Qwen35Config
 from .errors import Qwen35Error
 
-SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes 0 .. 2**64 - 1 (ComfyUI's seed widget range)
+SEED_LIMIT = 1 << 64  # keyed noise's seed range, 0 .. 2**64 - 1 (ComfyUI's seed widget range)
 
 
 def _integer(value) -> bool:

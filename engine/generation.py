@@ -1,4 +1,4 @@
-"""``generate``: Qwen3.5 decoding with ComfyUI's sampling semantics and exact MTP speculation.
+"""``generate``: Qwen3.5 decoding with ComfyUI's sampling distribution and exact MTP speculation.
 
 ``generate`` checks the request once (``request.GenerationRequest``), builds the runner stack
 (``stack.build_runner``) and runs the loop below. Without MTP every step feeds the pending token
@@ -7,7 +7,10 @@ and samples the next one, launched one step ahead of the host (``_decode_ahead``
 over the catch-up rows (``speculative.draft``), verifies ``[pending, d1..dk]`` in one causal forward of
 k + 1 rows, accepts a prefix of the drafts plus a correction or bonus token
 (``speculative.accept``), and commits 1 + accepted rows in every layer. The terms are defined in
-``engine/speculative.py``.
+``engine/speculative.py``. A sampled token is drawn with noise keyed by the seed and its position
+in the sequence (``engine/keyed_noise.py``), and MTP keeps only tokens equal to the model's own
+draw at their positions, so the text is a function of the prompt, the settings and the seed: the
+same at every ``mtp`` setting, ``"auto"`` included.
 """
 
 from __future__ import annotations
@@ -94,12 +97,17 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     None (positions 0..T-1) or ComfyUI's MRoPE ids ``[3,T]`` / ``[3,1,T]`` for image prompts (decode
     continues at max + 1). Sampling arguments follow ComfyUI's ``BaseGenerate.generate``;
     ``initial_tokens`` only feed the penalties; ``min_tokens`` forbids stop tokens before that many
-    tokens. ``mtp``: "off", a depth 1..5, or "auto": with an MTP head, the depth (0..5) chosen before
-    every cycle from the acceptance so far and the measured cost of each depth (``mtp_auto``);
-    without one, off.
-    ``mtp_draft``: "argmax" (point-mass drafts, default) or "sample" (drafts drawn from the head's
-    filtered distribution; acceptance min(1, p/q)); benchmarks may pass ``fn(position) -> token``,
-    whose token replaces each draft after the head ran (forced acceptance when it knows the answer).
+    tokens. ``seed`` (0 .. 2**64 - 1): sampled tokens are exact draws from ComfyUI's distribution
+    with noise keyed by the seed and the token's position, so the same prompt, settings and seed
+    give the same tokens at every ``mtp`` setting (on any device where the logits round the same);
+    not the random stream of core's ``TextGenerate``, so not core's tokens. ``mtp``: "off", a depth
+    1..5, or "auto": with an MTP head, the depth (0..5) chosen before every cycle from the acceptance
+    so far and the measured cost of each depth (``mtp_auto``); without one, off.
+    ``mtp_draft``: "argmax" (the most likely token of the head's distribution, default) or "sample"
+    (the head's filtered distribution drawn with the target's keyed noise at the draft's position);
+    either way a draft is kept when it equals the model's token there. Benchmarks may pass
+    ``fn(position) -> token``, whose token replaces each draft after the head ran (forced acceptance
+    when it knows the answer).
     ``draft_vocab``: which ids drafts rank, "auto" (the released tokenizer's first 151,643 while the
     text stays in them), "subset" (those throughout) or "full" (``engine/draft_vocab.py``).
     ``attention``: a ``kernels.decode_attention`` backend. ``cuda_graphs``: "auto" (replay CUDA
@@ -132,8 +140,9 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
                           fused=req.fused, cuda_graphs=req.cuda_graphs, cache_fill=req.cache_fill,
                           verify_rows=req.mtp_depth + 1, keep=keep)
     binding = runner.binding  # a kept stack's binding: the same modules
-    sampler = Sampler(req.sampling, seed=req.seed, stop_tokens=req.stop_tokens, min_tokens=req.min_tokens,
-                      initial_tokens=req.initial_tokens, device=req.device, mtp_draft=req.mtp_draft)
+    sampler = Sampler(req.sampling, seed=req.seed, first_position=req.prompt_len, stop_tokens=req.stop_tokens,
+                      min_tokens=req.min_tokens, initial_tokens=req.initial_tokens, device=req.device,
+                      mtp_draft=req.mtp_draft)
     stats = GenerationStats(mtp_depth=req.mtp_depth, attention_backend=backend,
                             decode_path=getattr(runner, "decode_path", ""))
     with torch.no_grad(), binding.holding_output_weight():
@@ -154,7 +163,7 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
     hidden, pre = runner.forward(req.embeds, positions.rows(0, req.prompt_len), keep_rows=False)
     runner.cache.commit()
     logits = sampler.mask(binding.logits(hidden[:, -1:])[0], 0)
-    token = sampler.draw(logits)
+    token = sampler.draw(logits, 0)
     sampler.accept([token])
     stats.prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -222,7 +231,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
     ``vocab.see`` updates from the tokens made."""
     device, dtype, cache = runner.device, runner.dtype, runner.cache
     max_length, use_prenorm = req.max_length, binding.mtp_hidden == "prenorm"
-    pinned = torch.empty(3 * req.mtp_depth + 2, dtype=torch.int64, pin_memory=True) \
+    pinned = torch.empty(2 * req.mtp_depth + 1, dtype=torch.int64, pin_memory=True) \
         if torch.device(device).type == "cuda" else None
     drafted, pending_id, mtp_start, shadow = None, None, 0, None
     ran: set[int] = _ready(runner)  # depths whose graphs exist: their first cycle captures nothing
@@ -231,7 +240,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         length = cache.length
         room = max_length - len(sampler.generated) - 1
         control.room = room
-        k = drafted[0].shape[0] if drafted is not None else min(control.choose(), room)
+        k = drafted.shape[0] if drafted is not None else min(control.choose(), room)
         if k == 0:
             count = min(control.segment_length(), room + 1) if room else 1
             keep = torch.empty(1, count, binding.config.hidden_size, dtype=dtype, device=device)
@@ -256,8 +265,8 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
             if depth > 0:  # the head catches up and drafts; the next segment's tokens score the drafts
                 probe = time.perf_counter()
                 hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
-                drafts, _ = draft(binding, runner, sampler, positions, hid, emb, mtp_start, cache.length, depth,
-                                  chunk=req.mtp_depth + 1, vocab=vocab.rows)
+                drafts = draft(binding, runner, sampler, positions, hid, emb, mtp_start, cache.length, depth,
+                               chunk=req.mtp_depth + 1, vocab=vocab.rows)
                 catch, shadow = [], drafts.tolist()
                 control.probed(time.perf_counter() - probe)
             pending_id, clock = None, time.perf_counter()
@@ -272,13 +281,13 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
             drafted = draft(binding, runner, sampler, positions, hid, emb, mtp_start, length, k,
                             chunk=req.mtp_depth + 1, vocab=vocab.rows)
             catch, timed = [], False
-        (drafts, qs), drafted = drafted, None
+        drafts, drafted = drafted, None
         stats.drafted += k
         rows = binding.embed(torch.cat([pending_id, drafts]).view(1, -1), dtype, device)
         hidden, pre, logits = runner.forward_logits(rows, positions.rows(length, k + 1))
         stats.steps += 1
         logits = sampler.mask(logits[0], len(sampler.generated))
-        verdict = judge(sampler, logits, drafts, qs, pinned)
+        verdict = judge(sampler, logits, drafts, pinned)
         ahead = None
         if room > 1:  # the next cycle can draft: keep the MTP head in step with the verify's rows
             ahead = catch_up(binding, runner, positions, pre if use_prenorm else hidden, verdict, length,
@@ -313,10 +322,11 @@ def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: R
     """Plain steps until ``limit`` tokens are generated or a stop token, one step ahead of the host:
     each step embeds the previous step's token on the device and is launched before the host reads
     that token, so what the host does per token (the read, the stop test, the callback, the next
-    launch) overlaps the next step on the GPU. The tokens, the generator's use and the callbacks
-    are those of a step-by-step loop; a stop token leaves one launched step unused. ``keep``
-    ``(buffer [1,N,H], prenorm)``: step i's hidden state (after the final norm, or before it) is
-    copied into ``buffer[:, i]`` (the MTP head's catch-up rows). Returns the stop reason
+    launch) overlaps the next step on the GPU. The tokens and the callbacks are those of a
+    step-by-step loop (each draw names its position: the tokens generated before it); a stop
+    token leaves one launched step unused. ``keep`` ``(buffer [1,N,H], prenorm)``: step i's hidden
+    state (after the final norm, or before it) is copied into ``buffer[:, i]`` (the MTP head's
+    catch-up rows). Returns the stop reason
     ("stop_token", or "max_length" when ``limit`` is reached) and the wall seconds per token after
     the first (None for fewer than 3 tokens)."""
     cache, device, dtype = runner.cache, runner.device, runner.dtype
@@ -336,7 +346,7 @@ def _decode_ahead(binding: Qwen35Binding, runner, sampler: Sampler, positions: R
                     token, hidden, pre = runner.forward_token_hidden(pending, pos)
             else:
                 hidden, pre, logits = runner.forward_logits(binding.embed(pending, dtype, device), pos)
-                token = sampler.draw_async(sampler.mask(logits[0], launched))
+                token = sampler.draw_async(sampler.mask(logits[0], launched), launched)
             cache.commit()
             if keep is not None:
                 i = launched - start

@@ -41,10 +41,9 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   at 0.95x the best depth); drafts never kept still leave within a few cycles. At depth 0 the
   controller asks for a plain segment of ``segment_length()`` tokens; after it, ``shadow_depth()``
   drafts are made by the MTP head (no verify step, so no verify graph to capture) and compared with
-  the next segment's first tokens: the chance that a point-mass draft equals the token the model
-  draws is the chance the verify would accept it, so each comparison is an unbiased observation of
-  the acceptance (drafts sampled from the head, ``mtp_draft="sample"``, are scored the same way: an
-  estimate, not exact). A shadow probe with no draft kept doubles the segment (up to
+  the next segment's first tokens: the verify keeps a draft exactly when it equals the model's token
+  at its position (the argmax, or the keyed draw the segment made there), so each comparison is the
+  decision the verify would have made. A shadow probe with no draft kept doubles the segment (up to
   ``MAX_SEGMENT``), a kept one resets it to the shortest segment, ``FIRST_SEGMENT`` tokens or as
   many as keep the probes' wall time (``CycleCosts.probe``, the median of the last ones) within
   ``PROBE_SHARE`` of the plain steps' (H100: a segment of 32 after each kept probe, 30% kept, stayed
@@ -53,8 +52,8 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   cycles at depth k < max whose last drafts are mostly kept, one cycle runs at k + 1 when that is
   worth its capture (its cost is then timed, not guessed).
 
-The choice depends on past acceptance and wall times only, never on a token being drawn, so the
-output distribution (and greedy's tokens) are those of any fixed depth.
+The choice depends on past acceptance and wall times only and never changes a token: each is the
+model's own at its position (``speculative``), so the text is that of MTP off and of any fixed depth.
 """
 
 from __future__ import annotations

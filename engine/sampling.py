@@ -1,9 +1,12 @@
 """``Sampler``: the sampling state of one ``generate()`` call; host token lists to the device.
 
-``Sampler`` draws each token from ComfyUI's distribution (``distribution``, ``draw``) after the
-history so far, and forbids stop tokens before ``min_tokens``. Contract: logits float32 ``[N,V]``
-on the model's device; the generator and the penalties' seen set (bool ``[1,V]``) live there too;
-``draw`` reads the token back (an int), ``draw_async`` leaves it int64 ``[1]`` on the device.
+``Sampler`` draws each token from ComfyUI's distribution (``distribution``) after the history so
+far, with the noise keyed by the seed and the token's position in the sequence (``draw``,
+``keyed_noise``), and forbids stop tokens before ``min_tokens``. Contract: logits float32 ``[N,V]``
+on the model's device; the penalties' seen set (bool ``[1,V]``) lives there too; ``draw`` reads the
+token back (an int), ``draw_async`` and ``draw_rows`` leave int64 on the device. A draw names
+``count``, the number of tokens generated before it: the token's position is the prompt length
+plus ``count``, so the same seed draws the same token there however the loop got to it.
 ``to_device`` / ``token_ids``: a list of ints -> int64 ``[N]`` / ``[1,N]`` on a device, with no
 host sync.
 """
@@ -15,7 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from .distribution import target_candidates
-from .draw import sample
+from .draw import keyed_draw
+from .keyed_noise import row_keys
 from .sampling_params import SamplingParams
 
 
@@ -35,15 +39,18 @@ def token_ids(tokens: list[int], device) -> torch.Tensor:
 
 class Sampler:
     """The sampling state of one generate() call: the tokens generated so far, the penalties' seen
-    set (a bool mask on the device), the generator, stop tokens and ``min_tokens``. Kept off the
-    model, so an interrupt leaves nothing behind. ``mtp_draft`` is how drafts are made (see
-    ``speculative``)."""
+    set (a bool mask on the device), the seed, stop tokens and ``min_tokens``. Kept off the model,
+    so an interrupt leaves nothing behind. ``first_position``: the sequence position of the first
+    generated token (the prompt's length); seed in ``[0, 2**64)``. ``mtp_draft`` is how drafts are
+    made (see ``speculative``)."""
 
-    def __init__(self, params: SamplingParams, *, seed: int, stop_tokens, min_tokens: int, initial_tokens, device,
-                 mtp_draft):
+    def __init__(self, params: SamplingParams, *, seed: int, first_position: int, stop_tokens, min_tokens: int,
+                 initial_tokens, device, mtp_draft):
         self.params = params
         self.greedy = params.greedy
-        self.generator = None if self.greedy else torch.Generator(device=device).manual_seed(int(seed))
+        self.seed = int(seed)
+        self.first_position = int(first_position)
+        row_keys(self.seed, self.first_position, 1, device)  # a bad seed or position fails here, before any step
         self.stops = {int(t) for t in stop_tokens}
         self.stop_ids = torch.tensor(sorted(self.stops), dtype=torch.int64, device=device)
         self.min_tokens = min_tokens
@@ -90,14 +97,21 @@ class Sampler:
             logits[:blocked, self.stop_ids] = float("-inf")
         return logits
 
-    def draw_async(self, logits: torch.Tensor) -> torch.Tensor:
+    def draw_async(self, logits: torch.Tensor, count: int) -> torch.Tensor:
         """``draw`` without reading the token: int64 ``[1]`` on logits' device, no host sync (the
-        same candidates and generator use as ``draw``). For a loop that launches the next step from
-        this token before it reads it: ``note`` the token first, ``accept`` its value later."""
+        same token as ``draw``). For a loop that launches the next step from this token before it
+        reads it: ``note`` the token first, ``accept`` its value later."""
         if self.greedy:
             return logits[0].argmax().reshape(1)
-        probs, ids = target_candidates(logits, self.seen_rows(None, 1, logits.shape[1]), self.params)
-        return sample(probs, self.generator, candidates=ids)
+        return self.draw_rows(logits, self.seen_rows(None, 1, logits.shape[1]), count)
+
+    def draw_rows(self, logits: torch.Tensor, histories, count: int) -> torch.Tensor:
+        """Sampled tokens of consecutive positions: row i of logits ``[N,V]`` is drawn from ComfyUI's
+        distribution with ``histories`` (``seen_rows``) at position ``first_position + count + i``
+        -> int64 ``[N]`` on the device, no host sync. The same logits, history and position give
+        the same token, whichever distribution (target or draft) the row comes from."""
+        probs, ids = target_candidates(logits, histories, self.params)
+        return keyed_draw(probs, ids, row_keys(self.seed, self.first_position + count, logits.shape[0], self.device))
 
     def note(self, token: torch.Tensor) -> None:
         """Add the token ``draw_async`` just returned (int64 ``[1]`` on the device) to the penalties'
@@ -115,11 +129,7 @@ class Sampler:
                 self._seen_mask.index_fill_(1, to_device(tokens, self.device), True)
         return self._seen_mask
 
-    def draw(self, logits: torch.Tensor) -> int:
-        """The next token from one row of logits ``[1,V]`` (float32) after the current history."""
-        if self.greedy:
-            return int(logits[0].argmax())
-        # ComfyUI's own draw (same candidate list and order, same generator use): with MTP off the
-        # same seed gives core's tokens.
-        probs, ids = target_candidates(logits, self.seen_rows(None, 1, logits.shape[1]), self.params)
-        return int(sample(probs, self.generator, candidates=ids)[0])
+    def draw(self, logits: torch.Tensor, count: int) -> int:
+        """The token after ``count`` generated ones from one row of logits ``[1,V]`` (float32),
+        after the current history."""
+        return int(self.draw_async(logits, count)[0])

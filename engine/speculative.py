@@ -14,14 +14,16 @@ Terms (as in vLLM's rejection sampler):
   verify to the head while the host reads the verify's outcome.
 * **drafts** ``d1..dk``: proposed tokens. The model verifies ``[pending, d1..dk]`` in one causal
   forward of k + 1 rows.
-* **accepted drafts**: the longest prefix that survives acceptance; greedy compares with the
-  model's argmax (so greedy MTP equals plain greedy token for token), sampled uses
-  ``draw.speculative_accept_rows`` (accept with min(1, p/q), else resample from the residual;
-  every draft's decision drawn on the device, one read per verify step).
-* **correction token**: the token drawn in place of the first rejected draft (from the residual
-  distribution; greedy: the model's argmax there). **bonus token**: when all k drafts are
-  accepted, the token drawn from the verify's last row. Either way a step yields accepted + 1
-  tokens, and the last of them becomes the next pending token.
+* **accepted drafts**: the longest prefix of drafts equal to the model's own token at their rows:
+  greedy, its argmax; sampled, its keyed draw (``Sampler.draw_rows``: the noise of the seed and
+  the row's sequence position, the one MTP off uses there). Every kept token is therefore the
+  token MTP off makes at that position, so the text is MTP off's at every depth (greedy and
+  sampled), each token an exact draw from the target distribution; decided on the device, one
+  read per verify step. A draft drawn from the head's distribution with the same keyed noise
+  (``mtp_draft="sample"``) equals the target's draw whenever the race picks the same id in both.
+* **correction token**: the model's token at the first rejected draft's row. **bonus token**: when
+  all k drafts are accepted, the model's token at the verify's last row. Either way a step yields
+  accepted + 1 tokens, and the last of them becomes the next pending token.
 * **staged / committed rows**: the verify stages k + 1 rows in every layer; the caller commits
   1 + accepted of them (``ModelCache.commit``). The MTP cache keeps only rows computed from true
   hidden states: rows of drafts at depth >= 2 are rolled back after drafting and recomputed from
@@ -38,8 +40,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import MAX_DECODE_ROWS
-from .distribution import target_argmax, target_probs
-from .draw import sample, speculative_accept_rows
+from .distribution import target_argmax
 from .readback import Readback
 from .rope import RowPositions
 from .sampling import Sampler, to_device
@@ -60,10 +61,10 @@ def draft(binding, runner, sampler: Sampler, positions: RowPositions, catchup_hi
     it may already have) and single rows, then the last row with its logits. A prompt runs as one
     forward.
 
-    Returns ``(drafts, qs)``: the k token ids as int64 ``[k]`` on the device (each draft is embedded
-    for the next from there, so drafting never waits for the host) and, for each, the draft
-    distribution ``[V]`` when drafts are sampled (``mtp_draft="sample"``), else None (point-mass
-    drafts). The MTP cache ends at ``length`` rows. ``vocab``: the draft vocabulary (drafts rank
+    Returns the k drafts as int64 ``[k]`` on the device (each draft is embedded for the next from
+    there, so drafting never waits for the host): ``mtp_draft="argmax"``, the most likely token of
+    the head's distribution; ``"sample"``, its keyed draw at the draft's position. The MTP cache
+    ends at ``length`` rows. ``vocab``: the draft vocabulary (drafts rank
     ids below it; None: all, ``engine/draft_vocab.py``).
     """
     rows = catchup_hidden.shape[1]
@@ -100,67 +101,57 @@ def draft_from(binding, runner, sampler: Sampler, positions: RowPositions, last:
                logits: torch.Tensor, length: int, k: int, vocab: int | None = None):
     """Draft k tokens after the pending token at row ``length`` from the head's output ``last``
     ``[1,1,H]`` and logits ``[1,1,V]`` of the newest catch-up row (already committed to the MTP
-    cache). Returns ``(drafts, qs)`` as ``draft`` does; the MTP cache ends at ``length`` rows."""
+    cache). Returns the drafts as ``draft`` does; the MTP cache ends at ``length`` rows."""
     device, dtype = runner.device, runner.dtype
     mcache = runner.cache.mtp
     drafts: list[torch.Tensor] = []  # int64 [1] each, on the device
-    qs: list[torch.Tensor | None] = []
     for j in range(k):
         if j:
             emb = binding.embed(drafts[-1].view(1, 1), dtype, device)
             last, logits = runner.mtp_logits(last, emb, positions.rows(length - 1 + j, 1), vocab=vocab)
             mcache.commit()
         logits = sampler.mask(logits[0], len(sampler.generated) + j)
-        qs.append(None)
         if callable(sampler.mtp_draft):  # benchmark hook: the head ran, its draft is replaced
             drafts.append(to_device([int(sampler.mtp_draft(len(sampler.generated) + j))], device))
         elif sampler.greedy:
             drafts.append(logits[0].argmax().reshape(1))
         else:
             seen = sampler.seen_rows(torch.cat(drafts) if drafts else None, j + 1, logits.shape[1])[-1:]
-            if sampler.mtp_draft == "sample":
-                q = target_probs(logits, seen, sampler.params)
-                drafts.append(sample(q, sampler.generator, top_k=sampler.params.top_k))
-                qs[-1] = q[0]
+            if sampler.mtp_draft == "sample":  # the noise the target draws this position with
+                drafts.append(sampler.draw_rows(logits, seen, len(sampler.generated) + j))
             else:  # point mass on the target's most likely token: no top-k or softmax needed
                 drafts.append(target_argmax(logits, seen, sampler.params))
     mcache.rollback(k - 1)
-    return torch.cat(drafts), qs
+    return torch.cat(drafts)
 
 
 class Verdict:
     """A verify step's outcome on the device, its read to the host under way (``judge``):
-    ``new_ids`` int64 ``[k+1]``, the step's new tokens first (the accepted drafts, then the
-    correction or bonus token; rows after those unused), ``accepted`` int64 ``[1]`` (drafts kept)."""
+    ``new_ids`` int64 ``[k+1]``, the model's token at every verify row (the accepted drafts equal
+    its first ones, then the correction or bonus token; rows after those unused), ``accepted``
+    int64 ``[1]`` (drafts kept); ``ids`` ``[2k+1]``, what the host reads: ``new_ids``, then the drafts."""
 
-    def __init__(self, k: int, greedy: bool, ids: torch.Tensor, read: Readback, new_ids: torch.Tensor,
-                 accepted: torch.Tensor):
-        self.k, self.greedy, self.ids, self.read = k, greedy, ids, read
+    def __init__(self, k: int, ids: torch.Tensor, read: Readback, new_ids: torch.Tensor, accepted: torch.Tensor):
+        self.k, self.ids, self.read = k, ids, read
         self.new_ids, self.accepted = new_ids, accepted
 
 
-def judge(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor, qs,
+def judge(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor,
           pinned: torch.Tensor | None = None) -> Verdict:
-    """The verify logits ``[k+1,V]`` against the drafts (int64 ``[k]`` on the device), decided on the
-    device and sent to the host (into ``pinned``, at least 3k+2 entries, on CUDA: see ``Readback``)
-    without waiting; ``settle`` reads it. Sampled: every draft's accept decision, replacement and
-    the bonus token are drawn here."""
+    """The verify logits ``[k+1,V]`` (row i: the position after ``len(sampler.generated) + i``
+    tokens) against the drafts (int64 ``[k]`` on the device), decided on the device and sent to the
+    host (into ``pinned``, at least 2k+1 entries, on CUDA: see ``Readback``) without waiting;
+    ``settle`` reads it. The model's token at row i: greedy, the argmax; sampled, the keyed draw
+    with the penalties' history of the drafts before row i (``Sampler.draw_rows``). A draft is
+    kept while it equals the model's token at its row."""
     k = drafts.shape[0]
     if sampler.greedy:
         target = logits.argmax(dim=-1)
-        ids = torch.cat([target, drafts])
-        accepted = (target[:k] == drafts).to(torch.int64).cumprod(0).sum().view(1)
-        return Verdict(k, True, ids, Readback(ids, pinned), target, accepted)
-    probs = target_probs(logits, sampler.seen_rows(drafts, k + 1, logits.shape[1]), sampler.params)
-    keep, replacement = speculative_accept_rows(probs[:k], drafts, sampler.generator,
-                                                None if qs[0] is None else torch.stack(qs))
-    bonus = sample(probs[k:k + 1], sampler.generator, top_k=sampler.params.top_k)
-    ids = torch.cat([drafts, keep.to(torch.int64), replacement, bonus])
-    accepted = keep.to(torch.int64).cumprod(0).sum().view(1)
-    last = ids.index_select(0, torch.where(accepted < k, 2 * k + accepted, 3 * k))  # replacement or bonus
-    row = torch.arange(k + 1, device=ids.device)
-    new_ids = torch.where(row < accepted, torch.cat([drafts, last]), last)
-    return Verdict(k, False, ids, Readback(ids, pinned), new_ids, accepted)
+    else:
+        target = sampler.draw_rows(logits, sampler.seen_rows(drafts, k + 1, logits.shape[1]), len(sampler.generated))
+    ids = torch.cat([target, drafts])
+    accepted = (target[:k] == drafts).to(torch.int64).cumprod(0).sum().view(1)
+    return Verdict(k, ids, Readback(ids, pinned), target, accepted)
 
 
 def settle(verdict: Verdict) -> tuple[list[int], int, torch.Tensor]:
@@ -168,21 +159,15 @@ def settle(verdict: Verdict) -> tuple[list[int], int, torch.Tensor]:
     bonus token; the number of drafts accepted; and the last new token as int64 ``[1]`` on the
     device."""
     k, read = verdict.k, verdict.read.values()
-    if verdict.greedy:
-        target, proposed = read[:k + 1], read[k + 1:]
-        accepted = 0
-        while accepted < k and target[accepted] == proposed[accepted]:
-            accepted += 1
-        return proposed[:accepted] + [target[accepted]], accepted, verdict.ids[accepted:accepted + 1]
-    proposed, kept = read[:k], read[k:2 * k]
-    accepted = next((i for i in range(k) if not kept[i]), k)
-    last = 2 * k + accepted if accepted < k else 3 * k  # the replacement or the bonus
-    return proposed[:accepted] + [read[last]], accepted, verdict.ids[last:last + 1]
+    target, proposed = read[:k + 1], read[k + 1:]
+    accepted = 0
+    while accepted < k and target[accepted] == proposed[accepted]:
+        accepted += 1
+    return target[:accepted + 1], accepted, verdict.ids[accepted:accepted + 1]
 
 
-def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor,
-           qs) -> tuple[list[int], int, torch.Tensor]:
+def accept(sampler: Sampler, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], int, torch.Tensor]:
     """``settle(judge(...))``: new tokens from the verify logits ``[k+1,V]`` and the drafts (int64
     ``[k]`` on the device), the number of drafts accepted, and the last new token as int64 ``[1]``
     on the device; one read."""
-    return settle(judge(sampler, logits, drafts, qs))
+    return settle(judge(sampler, logits, drafts))

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from qwen35_fast.engine import bind, build_mtp_head, generate
 from qwen35_fast.patches.comfy_bridge import WEIGHTS, comfy_weight_cast
 
-from tests.oracles.comfy_tree import fp8_scaled, import_comfyui, int8_convrot, mixed_formats
-from tests.oracles.tiny import add_mtp, make_tiny, to_layout
+from tests.oracles.comfy_tree import comfy_qwen35, fp8_scaled, import_comfyui, int8_convrot, mixed_formats
+from tests.oracles.tiny import add_mtp, make_tiny
 
 COMFY = os.environ.get("QWEN35_FAST_COMFYUI")
 pytestmark = [pytest.mark.comfyui,
@@ -36,40 +36,11 @@ def comfy():
     return c.ops, c.text_encoders.qwen35
 
 
-def _comfy_model(comfy, sd, d, ops=None, layout=None):
-    """ComfyUI's ``Qwen35`` (no vision tower) with ``ops`` (default ``manual_cast``), loaded from
-    ``sd`` in ComfyUI's key layout (``layout(sd)`` first when given, e.g. int8 quantization)."""
-    comfy_ops, qwen35 = comfy
-    ops = comfy_ops.manual_cast if ops is None else ops
-    cfg = qwen35.Qwen35Config(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
-        linear_num_key_heads=d["linear_num_key_heads"], linear_num_value_heads=d["linear_num_value_heads"],
-        linear_key_head_dim=d["linear_key_head_dim"], linear_value_head_dim=d["linear_value_head_dim"],
-        layer_types=list(d["layer_types"]), lm_head=not d["tied"], stop_tokens=[])
-
-    class Tiny(qwen35.Qwen35):  # ComfyUI's class without its (large) vision tower
-        def __init__(self):
-            torch.nn.Module.__init__(self)
-            self.num_layers = cfg.num_hidden_layers
-            self.model = qwen35.Qwen35Transformer(cfg, device="cpu", dtype=torch.float32, ops=ops)
-            self.dtype = torch.float32
-            self.mtp = None  # newer core's own MTP head slot (built by load_clip from mtp.* tensors)
-
-    model = Tiny()
-    text = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
-    text = to_layout(text, "comfyui")
-    missing, unexpected = model.load_state_dict(text if layout is None else layout(text), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return model
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_on_comfyui_modules(comfy, rng, tied):
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
     sd, d = make_tiny(seed, strength=0.5, tied=tied)
-    model = _comfy_model(comfy, sd, d)
+    model = comfy_qwen35(comfy, sd, d)
     b = bind(model)
     assert bind(model.model).transformer is model.model and b.mtp is None
     emb = torch.randn(6, d["hidden_size"], generator=rng)
@@ -86,14 +57,60 @@ def test_engine_on_comfyui_modules(comfy, rng, tied):
     assert spec.tokens == core and spec.stats.drafted > 0
     kw = dict(do_sample=True, max_length=20, stop_tokens=[], execution_dtype=torch.float32, seed=5, top_k=0,
               top_p=0.9, temperature=1.0, presence_penalty=0.5)
-    with torch.no_grad():
-        core_s = model.generate(emb.clone(), **kw)
-    assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_s
-    # top-k on (the PE settings): ComfyUI draws over the top-k list in topk order; so does the engine
+    _assert_keyed_draws(model, emb, kw)
+    # top-k on (the PE settings)
     kw.update(top_k=20, top_p=0.95, repetition_penalty=1.05, seed=11)
+    _assert_keyed_draws(model, emb, kw)
+
+
+def _assert_keyed_draws(model, emb, kw):
+    """Sampled, MTP off and depth 3: the same tokens (one seed), each the keyed draw (``tests/oracles/
+    keyed_draw``) at its position from ComfyUI's own distribution (``comfy_distribution``) of ComfyUI's own
+    logits, a cache-free forward of its modules over the prompt and the tokens before it (a near-tie of
+    the race, under 1e-6 apart, may go either way)."""
+    from tests.oracles import keyed_draw
+    from tests.oracles.comfy_sampling import comfy_distribution
+
+    off = generate(model, emb, **BIND, mtp="off", **kw).tokens
+    assert generate(model, emb, **BIND, mtp=3, **kw).tokens == off
     with torch.no_grad():
-        core_k = model.generate(emb.clone(), **kw)
-    assert generate(model, emb, **BIND, mtp="off", **kw).tokens == core_k
+        ids = torch.tensor([off[:-1]], dtype=torch.long)
+        x = torch.cat([emb.unsqueeze(0), model.model.embed_tokens(ids).float()], dim=1)
+        h = model.model.forward(None, embeds=x, attention_mask=None)[0]
+        logits = [model.logits(h[:, : emb.shape[0] + i])[0, -1].float() for i in range(len(off))]
+    settings = {k: kw.get(k, d) for k, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
+                                              ("repetition_penalty", 1.0), ("presence_penalty", 0.0))}
+    for i, token in enumerate(off):
+        probs = comfy_distribution(logits[i], off[:i], **settings)
+        want, margin = keyed_draw.draw(probs, kw["seed"], emb.shape[0] + i)
+        assert token == want or margin < 1e-6, (i, token, want, margin)
+
+
+def test_twelve_auto_runs_with_one_seed_give_one_text_on_comfyuis_modules(comfy, rng, monkeypatch):
+    """ComfyUI's own ``Qwen35`` modules with an MTP head, the enhancer's sampled settings, one seed,
+    ``mtp="auto"`` 12 times with depth choices that differ from run to run (the cycle costs switch at
+    another period each run, as wall-clock costs do): one text, MTP off's."""
+    import qwen35_fast.engine.generation as generation
+
+    from tests.engine.test_engine_sampled import Switching
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
+    sd, d = make_tiny(seed, strength=0.5)
+    model = comfy_qwen35(comfy, sd, d)
+    sd = add_mtp(sd, d, seed + 1, noise=0.02, norm_spread=0.05)
+    model.model.mtp = build_mtp_head({k: v for k, v in sd.items() if k.startswith("mtp.")}, bind(model).config)
+    emb = torch.randn(6, d["hidden_size"], generator=rng)
+    kw = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, presence_penalty=1.5, seed=42, max_length=48,
+              stop_tokens=[], execution_dtype=torch.float32)
+    off = generate(model, emb, **BIND, mtp="off", **kw).tokens
+    texts, paths = set(), set()
+    for run in range(12):
+        monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth, run=run: Switching(3 + 4 * run))
+        got = generate(model, emb, **BIND, mtp="auto", **kw)
+        texts.add(tuple(got.tokens))
+        paths.add(tuple(sorted(got.stats.mtp_depths.items())))
+    assert texts == {tuple(off)}
+    assert len(paths) >= 3, paths
 
 
 @pytest.mark.parametrize("fmt", ["float", "int8_convrot"] + [pytest.param(f, marks=pytest.mark.one_tree) for f in
@@ -127,7 +144,7 @@ def test_fast_path_on_comfyui_loaded_modules(comfy, rng, fmt, monkeypatch):
     fp8 = getattr(torch, fmt) if fmt.startswith("float8") else None
     layout = None if fmt == "float" else (lambda sd: fp8_scaled(sd, fp8)) if fp8 else \
         (lambda sd: int8_convrot(sd, group=group))
-    model = _comfy_model(comfy, sd, d, ops=ops.manual_cast if layout is None else ops.mixed_precision_ops(
+    model = comfy_qwen35(comfy, sd, d, ops=ops.manual_cast if layout is None else ops.mixed_precision_ops(
         {}, torch.float32), layout=layout)
     for m in model.modules():  # the flags ModelPatcher.load writes on a CLIP's modules (say "may cast")
         m.comfy_force_cast_weights = True
@@ -192,7 +209,7 @@ def test_fast_path_reads_4bit_files_in_place(comfy, rng, monkeypatch):
     ops, _ = comfy
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=rng))
     sd, d = make_tiny(seed, strength=0.5, intermediate_size=128)  # every width a multiple of 64
-    model = _comfy_model(comfy, sd, d, ops=ops.mixed_precision_ops({}, torch.float32),
+    model = comfy_qwen35(comfy, sd, d, ops=ops.mixed_precision_ops({}, torch.float32),
                          layout=lambda sd: mixed_formats(sd, _mixed_4bit, group=16))
     for m in model.modules():
         m.comfy_force_cast_weights = True
@@ -249,7 +266,7 @@ def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt,
     sd = {("model.lm_head.weight" if k == "lm_head.weight" else k.replace("model.language_model.", "model.")):
           v.float() if v.dtype == torch.bfloat16 else v for k, v in sd.items()}
     tiny, d = make_tiny(3, hidden_size=256, intermediate_size=256)
-    model = _comfy_model(comfy, tiny, d, ops=ops.mixed_precision_ops({}, torch.float32), layout=lambda _: sd)
+    model = comfy_qwen35(comfy, tiny, d, ops=ops.mixed_precision_ops({}, torch.float32), layout=lambda _: sd)
     quantized = [(n, m) for n, m in model.named_modules() if getattr(m, "quant_format", None) == fmt]
     assert len(quantized) == sum(s.action == "quantize" for s in convert_4bit.plan(src, fmt)) > 0
     assert all(s.action == "keep" for s in convert_4bit.plan(out, fmt))  # converting it again changes nothing
@@ -290,7 +307,7 @@ def test_converted_file_loads_through_comfyui(comfy, tmp_path, monkeypatch, fmt,
     from qwen35_fast.patches import mtp_graft
     from qwen35_fast.patches.mtp_graft import four_bit, graft_mtp
 
-    assert four_bit(model) and not four_bit(_comfy_model(comfy, tiny, d))
+    assert four_bit(model) and not four_bit(comfy_qwen35(comfy, tiny, d))
     clip = SimpleNamespace(cond_stage_model=SimpleNamespace(clip="qwen", qwen=SimpleNamespace(
         transformer=model, process_tokens=None)), patcher=None)
     head = {k: v for k, v in add_mtp(tiny, d, 4, noise=0.02, norm_spread=0.05).items() if k.startswith("mtp.")}

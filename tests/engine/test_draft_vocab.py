@@ -30,9 +30,9 @@ def _drafts_seen(monkeypatch) -> list[int]:
         real = getattr(generation, name)
 
         def spy(*a, _real=real, **kw):
-            drafts, qs = _real(*a, **kw)
+            drafts = _real(*a, **kw)
             seen.extend(drafts.tolist())
-            return drafts, qs
+            return drafts
         monkeypatch.setattr(generation, name, spy)
     return seen
 

@@ -101,9 +101,9 @@ def test_drafts_follow_reference_head(mtp_model, rng, monkeypatch):
     real = speculative.draft_from
 
     def spy(binding, runner, sampler, positions, last, logits, length, k, vocab=None):
-        drafts, qs = real(binding, runner, sampler, positions, last, logits, length, k, vocab=vocab)
+        drafts = real(binding, runner, sampler, positions, last, logits, length, k, vocab=vocab)
         seen.append((list(sampler.generated), length, drafts))
-        return drafts, qs
+        return drafts
 
     # every step's drafts: the first after the prompt's catch-up (draft), the rest after a verify's
     monkeypatch.setattr(speculative, "draft_from", spy)
@@ -259,13 +259,13 @@ def test_verdict_on_the_device_matches_the_read(rng, greedy):
     v, k = 7, 3
     seen = set()
     for seed in range(60):
-        sampler = Sampler(params, seed=seed, stop_tokens=[], min_tokens=0, initial_tokens=[], device="cpu",
-                          mtp_draft="argmax")
+        sampler = Sampler(params, seed=seed, first_position=5, stop_tokens=[], min_tokens=0, initial_tokens=[],
+                          device="cpu", mtp_draft="argmax")
         drafts = torch.randint(0, v, (k,), generator=rng)
         logits = torch.randn(k + 1, v, generator=rng)
         likely = torch.rand(k, generator=rng) < 0.7
         logits[torch.arange(k)[likely], drafts[likely]] += 6.0  # most drafts kept, some rejected
-        verdict = judge(sampler, logits, drafts, [None] * k)
+        verdict = judge(sampler, logits, drafts)
         new, accepted, pending = settle(verdict)
         assert int(verdict.accepted) == accepted and len(new) == accepted + 1
         assert verdict.new_ids[:accepted + 1].tolist() == new and pending.tolist() == [new[-1]]

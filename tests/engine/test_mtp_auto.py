@@ -406,12 +406,12 @@ def test_a_segment_catch_up_in_chunks_equals_one_forward(model, rng, monkeypatch
         runner = build_runner(binding, capacity=64, dtype=torch.float32, device="cpu", fused=False,
                               cuda_graphs=False)
         positions = RowPositions(torch.arange(start).expand(3, start))
-        sampler = Sampler(params, seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[], device="cpu",
-                          mtp_draft="argmax")
+        sampler = Sampler(params, seed=0, first_position=start, stop_tokens=[], min_tokens=0, initial_tokens=[],
+                          device="cpu", mtp_draft="argmax")
         with torch.no_grad():
             speculative.draft(binding, runner, sampler, positions, hid[:, :start], emb[:, :start], 0, start, 1)
-            drafts, _ = speculative.draft(binding, runner, sampler, positions, hid[:, start:], emb[:, start:],
-                                          start, start + rows, 2, chunk=6)
+            drafts = speculative.draft(binding, runner, sampler, positions, hid[:, start:], emb[:, start:],
+                                       start, start + rows, 2, chunk=6)
         mtp = runner.cache.mtp
         seen.append((drafts.tolist(), mtp.host_length, mtp.k[:, :, :start + rows].clone(),
                      mtp.v[:, :, :start + rows].clone()))

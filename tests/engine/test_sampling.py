@@ -15,11 +15,9 @@ import random
 import pytest
 import torch
 from qwen35_fast.engine.distribution import target_argmax, target_candidates, target_probs
-from qwen35_fast.engine.draw import sample, speculative_accept, speculative_accept_rows
+from qwen35_fast.engine.draw import keyed_draw
 from qwen35_fast.engine.sampling import Sampler
 from qwen35_fast.engine.sampling_params import SamplingParams
-
-from tests.oracles.speculative_rule import acceptance_probability, residual_distribution
 
 AMBIGUOUS = 1e-5  # relative margin under which float32 and float64 may legitimately disagree
 
@@ -311,202 +309,7 @@ def test_validation_accepts_boundaries():
 
 
 # ------------------------------------------------------------------------------------------
-# sample()
-# ------------------------------------------------------------------------------------------
-
-def test_sample_reproducible_and_respects_support(rng):
-    probs = torch.softmax(torch.randn(6, 1000, generator=rng), -1)
-    probs[:, ::2] = 0.0
-    seed = int(torch.randint(2**31, (1,), generator=rng))
-    a = sample(probs, torch.Generator().manual_seed(seed))
-    b = sample(probs, torch.Generator().manual_seed(seed))
-    assert a.dtype == torch.long and a.shape == (6,) and torch.equal(a, b)
-    assert bool((a % 2 == 1).all()), "sampled a token of probability 0"
-    onehot = torch.zeros(3, 10)
-    onehot[torch.arange(3), torch.tensor([7, 0, 9])] = 1.0
-    assert sample(onehot, None).tolist() == [7, 0, 9]
-    with pytest.raises(ValueError, match=r"\[N, V\]"):
-        sample(probs[0], None)
-
-
-# ------------------------------------------------------------------------------------------
-# Speculative acceptance: analytic
-# ------------------------------------------------------------------------------------------
-
-def _random_dist(rng, vocab, zeros=0):
-    w = torch.rand(vocab, generator=rng, dtype=torch.float64) + 0.05
-    if zeros:
-        w[torch.randperm(vocab, generator=rng)[:zeros]] = 0.0
-    return w / w.sum()
-
-
-def _output_given_draft(p, d, q=None):
-    """Exact distribution of the kept token given draft d, from the acceptance rule's pieces."""
-    a = acceptance_probability(p, d, q)
-    res = residual_distribution(p, d, q)
-    out = torch.zeros_like(p, dtype=torch.float64)
-    if res is None:  # empty residual: the draft is always kept
-        out[d] = 1.0
-        return out
-    out[d] += a
-    return out + (1 - a) * res
-
-
-@pytest.mark.parametrize("zeros_p,zeros_q", [(0, 0), (2, 0), (0, 2), (3, 3)])
-def test_speculative_rule_preserves_target_exactly(rng, zeros_p, zeros_q):
-    for _ in range(50):
-        vocab = int(torch.randint(2, 12, (1,), generator=rng))
-        p = _random_dist(rng, vocab, min(zeros_p, vocab - 1))
-        q = _random_dist(rng, vocab, min(zeros_q, vocab - 1))
-        # Draft sampled from q: sum over d of q(d) * P(out | d) must be p.
-        total = sum(q[d] * _output_given_draft(p, d, q) for d in range(vocab))
-        torch.testing.assert_close(total, p, rtol=0, atol=1e-12)
-        # Point-mass draft: for every fixed d the output is already distributed as p.
-        for d in range(vocab):
-            torch.testing.assert_close(_output_given_draft(p, d), p, rtol=0, atol=1e-12)
-
-
-def test_speculative_rule_pieces_by_hand():
-    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
-    assert acceptance_probability(p, 0, q) == 1.0
-    assert acceptance_probability(p, 1, q) == pytest.approx(0.5)
-    assert acceptance_probability(p, 1) == pytest.approx(0.3)
-    torch.testing.assert_close(residual_distribution(p, 1, q), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
-    torch.testing.assert_close(residual_distribution(p, 0), torch.tensor([0.0, 0.6, 0.4], dtype=torch.float64))
-    assert residual_distribution(p, 0, p) is None  # p == q: nothing to resample from
-    zero_q = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)
-    assert acceptance_probability(p, 0, zero_q) == 1.0
-    assert acceptance_probability(torch.tensor([0.0, 1.0]), 0, torch.tensor([0.0, 1.0])) == 0.0
-
-
-def test_speculative_accept_edge_cases(rng):
-    p = torch.tensor([0.0, 1.0, 0.0])
-    for _ in range(200):  # p(d) = 1 is always kept; p(d) = 0 is always replaced, by a token of p
-        assert speculative_accept(p, 1, rng) == (True, None)
-        assert speculative_accept(p, 0, rng) == (False, 1)
-        assert speculative_accept(p, 2, rng, torch.tensor([0.2, 0.3, 0.5])) == (False, 1)
-        assert speculative_accept(p, 1, rng, torch.tensor([0.2, 0.3, 0.5])) == (True, None)
-    # Residual with no mass (sub-normalised inputs): the draft is the only outcome and is kept.
-    for _ in range(50):
-        assert speculative_accept(torch.tensor([0.0, 0.5, 0.0]), 1, rng) == (True, None)
-        assert speculative_accept(torch.tensor([0.2, 0.3]), 0, rng, torch.tensor([0.5, 0.5])) == (True, None)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        speculative_accept(p, 3, rng)
-    with pytest.raises(ValueError, match="must match"):
-        speculative_accept(p, 0, rng, torch.tensor([0.5, 0.5]))
-    with pytest.raises(ValueError, match=r"1-D tensor \[V\]"):
-        speculative_accept(p.view(1, 3), 0, rng)
-
-
-# ------------------------------------------------------------------------------------------
-# Speculative acceptance: empirical (many seeds, chi-square)
-# ------------------------------------------------------------------------------------------
-
-ALPHA = 1e-7  # per test; four such tests keep the suite's false-failure chance below 1e-6
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for X ~ chi-square with integer df (closed form: even df sum, odd df via erfc)."""
-    h = x / 2.0
-    if df % 2 == 0:
-        return math.exp(-h) * sum(h**i / math.factorial(i) for i in range(df // 2))
-    tail = math.erfc(math.sqrt(h))
-    for i in range(1, (df - 1) // 2 + 1):
-        tail += math.exp((i - 0.5) * math.log(h) - h - math.lgamma(i + 0.5)) if h > 0 else 0.0
-    return tail
-
-
-def test_chi2_sf_known_values():
-    for x, df in ((3.841459, 1), (5.991465, 2), (7.814728, 3), (11.070498, 5), (12.591587, 6)):
-        assert chi2_sf(x, df) == pytest.approx(0.05, abs=1e-6)
-    assert chi2_sf(0.0, 4) == pytest.approx(1.0)
-
-
-def _chi_square_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
-    n = int(counts.sum())
-    support = p > 0
-    assert int(counts[~support].sum()) == 0, f"tokens of probability 0 were produced: {counts}"
-    expected = n * p[support]
-    stat = float(((counts[support] - expected) ** 2 / expected).sum())
-    return chi2_sf(stat, int(support.sum()) - 1)
-
-
-def _kept_token(p, d, q, seed):
-    accepted, replacement = speculative_accept(p, d, torch.Generator().manual_seed(seed), q)
-    assert accepted != (replacement is not None)
-    if not accepted:
-        assert replacement != d
-    return d if accepted else replacement
-
-
-TRIALS = 12000
-
-
-@pytest.mark.parametrize("zeros", [0, 2])
-def test_speculative_accept_empirical_with_draft_dist(rng, zeros):
-    vocab = 7
-    base = int(torch.randint(2**40, (1,), generator=rng))
-    p = _random_dist(rng, vocab, zeros).float()
-    q = _random_dist(rng, vocab).float()  # drafts are drawn from q, so q covers p's support
-    drafts = torch.multinomial(q, TRIALS, replacement=True, generator=rng).tolist()
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    for i, d in enumerate(drafts):
-        counts[_kept_token(p, d, q, base + i)] += 1
-    pv = _chi_square_pvalue(counts, p.double())
-    assert pv > ALPHA, f"p={p.tolist()} q={q.tolist()} counts={counts.tolist()} pvalue={pv:.3g}"
-
-
-def test_speculative_accept_empirical_point_mass(rng):
-    vocab = 7
-    base = int(torch.randint(2**40, (1,), generator=rng))
-    p = _random_dist(rng, vocab).float()
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    # A deterministic drafter proposes the same token every time (here the most likely one and
-    # then the least likely one); the kept token must still follow p.
-    for d in (int(p.argmax()), int(p.argmin())):
-        counts.zero_()
-        for i in range(TRIALS // 2):
-            counts[_kept_token(p, d, None, base + i)] += 1
-        pv = _chi_square_pvalue(counts, p.double())
-        assert pv > ALPHA, f"p={p.tolist()} d={d} counts={counts.tolist()} pvalue={pv:.3g}"
-
-
-@pytest.mark.parametrize("sampled_drafts", [True, False], ids=["draft-dist", "point-mass"])
-def test_speculative_accept_rows_each_row_follows_its_target(rng, sampled_drafts):
-    """A verify step's k = 3 drafts judged at once: each row's kept token (its draft, or its
-    replacement) follows that row's own target distribution, and a replacement is never its draft."""
-    vocab, k = 6, 3
-    base = int(torch.randint(2**40, (1,), generator=rng))
-    p = torch.stack([_random_dist(rng, vocab, zeros) for zeros in (0, 2, 1)]).float()
-    q = torch.stack([_random_dist(rng, vocab) for _ in range(k)]).float() if sampled_drafts else None
-    fixed = torch.tensor([int(p[0].argmin()), int(p[1].argmax()), int(p[2].argmin())])
-    counts = torch.zeros(k, vocab, dtype=torch.float64)
-    trials = TRIALS // 2
-    drafts_all = (torch.stack([torch.multinomial(q[i], trials, replacement=True, generator=rng) for i in range(k)], 1)
-                  if sampled_drafts else fixed.expand(trials, k))
-    for t in range(trials):
-        drafts = drafts_all[t].contiguous()
-        keep, replacement = speculative_accept_rows(p, drafts, torch.Generator().manual_seed(base + t), q)
-        for i in range(k):
-            d, r = int(drafts[i]), int(replacement[i])
-            assert keep[i] or r != d
-            counts[i, d if keep[i] else r] += 1
-    for i in range(k):
-        pv = _chi_square_pvalue(counts[i], p[i].double())
-        assert pv > ALPHA, f"row {i}: p={p[i].tolist()} counts={counts[i].tolist()} pvalue={pv:.3g}"
-
-
-def test_speculative_accept_rows_rejects_bad_shapes():
-    p = torch.full((2, 4), 0.25)
-    with pytest.raises(ValueError, match=r"probs \[k, V\] and drafts \[k\]"):
-        speculative_accept_rows(p, torch.tensor([0, 1, 2]), None)
-    with pytest.raises(ValueError, match="must match"):
-        speculative_accept_rows(p, torch.tensor([0, 1]), None, torch.full((2, 5), 0.2))
-
-
-# ------------------------------------------------------------------------------------------
-# The draw itself: same seed, same token as ComfyUI's sample_token
+# The Sampler's draws: the keyed draw (the float64 oracle) of ComfyUI's distribution
 # ------------------------------------------------------------------------------------------
 
 def _draw_cases(rng, n):
@@ -524,40 +327,39 @@ def _draw_cases(rng, n):
         yield kw, logits, history
 
 
-def test_sample_draws_the_token_comfyui_draws_for_the_same_seed(rng):
-    """Decoder path: target_candidates + sample(candidates=...) == ComfyUI's sample_token, token by token,
-    with the generator left in the same state (so whole generations match for a seed)."""
-    from tests.oracles.comfy_sampling import comfy_sample_token
+def test_sampler_draws_the_keyed_oracle_token(rng):
+    """``Sampler.draw`` / ``draw_async`` / ``draw_rows`` (penalties, temperature, top-k, min-p, top-p)
+    pick the token the float64 keyed-draw oracle picks from ComfyUI's distribution (this file's
+    ``comfy_oracle``) at the position ``first_position + count (+ row)``, for one seed, with the
+    penalties' history from the initial tokens; cases the oracle calls ambiguous are skipped."""
+    from tests.oracles import keyed_draw as oracle
 
+    checked = 0
     for kw, logits, history in _draw_cases(rng, 60):
         params = SamplingParams(do_sample=True, **kw)
-        seed = int(torch.randint(2**31, (1,), generator=rng))
-        g_core, g_ours = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        for _ in range(3):  # consecutive draws: the generators must stay in step
-            want = int(comfy_sample_token(logits.clone(), kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"],
-                                          kw["repetition_penalty"], history, g_core,
-                                          presence_penalty=kw["presence_penalty"]))
-            probs, ids = target_candidates(logits, [history], params)
-            got = int(sample(probs, g_ours, candidates=ids)[0])
-            assert got == want, kw
-        assert torch.equal(g_core.get_state(), g_ours.get_state())
-
-
-def test_sample_top_k_from_full_probs_matches_comfyui(rng):
-    """sample(probs [N,V], top_k=k) rebuilds ComfyUI's candidate list from the scattered distribution."""
-    from tests.oracles.comfy_sampling import comfy_sample_token
-
-    for kw, logits, history in _draw_cases(rng, 36):
-        if kw["top_k"] == 0:
+        want_p, margin = comfy_oracle(logits[0], history, params)
+        if margin < AMBIGUOUS:
             continue
-        params = SamplingParams(do_sample=True, **kw)
-        seed = int(torch.randint(2**31, (1,), generator=rng))
-        want = int(comfy_sample_token(logits.clone(), kw["temperature"], kw["top_k"], kw["top_p"], kw["min_p"],
-                                      kw["repetition_penalty"], history, torch.Generator().manual_seed(seed),
-                                      presence_penalty=kw["presence_penalty"]))
-        probs = target_probs(logits, [history], params)
-        got = int(sample(probs, torch.Generator().manual_seed(seed), top_k=kw["top_k"])[0])
-        assert got == want, kw
+        seed = int(torch.randint(2**62, (1,), generator=rng)) * 3
+        first = int(torch.randint(0, 5000, (1,), generator=rng))
+        s = Sampler(params, seed=seed, first_position=first, stop_tokens=[], min_tokens=0, initial_tokens=history,
+                    device="cpu", mtp_draft="argmax")
+        rows = logits.expand(3, -1)
+        got_rows = s.draw_rows(rows, [history] * 3, 7).tolist()
+        for count, got in ((0, s.draw(logits, 0)), (4, int(s.draw_async(logits, 4)[0])),
+                           (7, got_rows[0]), (8, got_rows[1]), (9, got_rows[2])):
+            want, gap = oracle.draw(want_p, seed, first + count)
+            if gap > 1e-6:
+                assert got == want, (kw, count)
+                checked += 1
+    assert checked >= 200, checked
+
+
+def test_sampler_refuses_a_seed_out_of_range():
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+        Sampler(SamplingParams(), seed=2**64, first_position=0, stop_tokens=[], min_tokens=0, initial_tokens=[],
+                device="cpu", mtp_draft="argmax")
+
 
 
 def test_target_candidates_match_target_probs(rng):
@@ -569,8 +371,8 @@ def test_target_candidates_match_target_probs(rng):
     full = torch.zeros(3, 500).scatter_(1, ids, probs)
     assert torch.equal(full, target_probs(logits, hist, params))
     assert bool((probs[:, :-1] >= probs[:, 1:]).all()), "candidates are not in descending order"
-    with pytest.raises(ValueError, match="candidates"):
-        sample(probs, None, candidates=ids[:, :5])
+    with pytest.raises(ValueError, match="ids must be int64"):
+        keyed_draw(probs, ids[:, :5], 0)
 
 
 def test_sampler_seen_set_on_the_device():
@@ -578,7 +380,7 @@ def test_sampler_seen_set_on_the_device():
     verify rows): the initial and accepted tokens, a noted in-flight token, and per row the drafts
     before it, against sets built by hand."""
     params = SamplingParams(do_sample=True, presence_penalty=1.5)
-    s = Sampler(params, seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[4, 9], device="cpu",
+    s = Sampler(params, seed=0, first_position=3, stop_tokens=[], min_tokens=0, initial_tokens=[4, 9], device="cpu",
                 mtp_draft="argmax")
     s.accept([2, 9])
     v = 12
@@ -593,59 +395,39 @@ def test_sampler_seen_set_on_the_device():
     s.note(torch.tensor([5]))
     s.accept([5, 3])
     assert ids(s.seen_rows(None, 1, v)) == [{2, 3, 4, 5, 9}]
-    plain = Sampler(SamplingParams(do_sample=True), seed=0, stop_tokens=[], min_tokens=0, initial_tokens=[4],
-                    device="cpu", mtp_draft="argmax")
+    plain = Sampler(SamplingParams(do_sample=True), seed=0, first_position=3, stop_tokens=[], min_tokens=0,
+                    initial_tokens=[4], device="cpu", mtp_draft="argmax")
     assert plain.seen_rows(drafts, 4, v) == [()] * 4
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_multinomial_one_is_torch_multinomial(device, test_seed):
-    """The sync-free one-sample draw picks torch.multinomial's token for the same generator state,
-    over many seeds, shapes and dtypes (zeros and ties included)."""
-    from qwen35_fast.engine.draw import multinomial_one
-
-    gen = torch.Generator().manual_seed(test_seed)
-    for trial in range(60):
-        n, k = 1 + trial % 3, [1, 2, 20, 257, 4096][trial % 5]
-        dtype = [torch.float32, torch.float64, torch.float16][trial % 3]
-        probs = torch.softmax(torch.randn(n, k, generator=gen) * 3, dim=-1)
-        probs[probs < 0.01] = 0.0 if k > 2 else probs[probs < 0.01]
-        probs = probs.to(device=device, dtype=dtype)
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-        want = torch.multinomial(probs, 1, generator=torch.Generator(device).manual_seed(seed))
-        got = multinomial_one(probs, torch.Generator(device).manual_seed(seed))
-        assert torch.equal(got, want), (trial, n, k, dtype)
 
 
 @pytest.mark.gpu
 def test_device_draws_never_sync_with_the_host():
     """What the decode loop runs per token while the GPU works ahead (``draw_async``, ``note``,
-    ``accept``, verify rows' ``seen_rows``, a verify step's acceptance draws), with the enhancer's
-    sampling settings: no operation that waits for the GPU (torch's sync debug mode raises on one)."""
+    ``accept``, verify rows' ``seen_rows``, a verify step's keyed draws over several rows), with the
+    enhancer's sampling settings: no operation that waits for the GPU (torch's sync debug mode
+    raises on one)."""
     dev = torch.device("cuda")
     params = SamplingParams(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5)
-    s = Sampler(params, seed=0, stop_tokens=[1], min_tokens=0, initial_tokens=[3], device=dev, mtp_draft="argmax")
+    s = Sampler(params, seed=0, first_position=9, stop_tokens=[1], min_tokens=0, initial_tokens=[3], device=dev,
+                mtp_draft="argmax")
     s.accept([5])
     logits = torch.randn(1, 4096, device=dev) * 4
-    probs = torch.softmax(torch.randn(3, 4096, device=dev), dim=-1)
-    drafts = torch.tensor([3, 4, 5], device=dev)
+    verify = torch.randn(4, 4096, device=dev) * 4
 
-    def verify_draws():  # a sampled verify step's draws (``speculative.accept`` reads them once)
-        speculative_accept_rows(probs, drafts, s.generator, probs.flip(1))
-        speculative_accept_rows(probs, drafts, s.generator)
-        sample(probs[:1], s.generator, top_k=20)
+    def verify_draws(drafts):  # a sampled verify step's draws (``speculative.judge``)
+        s.draw_rows(verify, s.seen_rows(drafts, 4, verify.shape[1]), 2)
 
-    t = s.draw_async(s.mask(logits, 1))  # warm-up: pinned blocks, kernels
+    t = s.draw_async(s.mask(logits, 1), 1)  # warm-up: pinned blocks, kernels
     s.note(t)
-    verify_draws()
+    verify_draws(torch.cat([t, t, t]))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        t = s.draw_async(s.mask(logits, 2))
+        t = s.draw_async(s.mask(logits, 2), 2)
         s.note(t)
         s.seen_rows(torch.cat([t, t]), 3, logits.shape[1])
         s.accept([7])
-        verify_draws()
+        verify_draws(torch.cat([t, t, t]))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

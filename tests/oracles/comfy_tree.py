@@ -112,3 +112,34 @@ def mixed_formats(tensors: dict, fmt_of, group: int = 256) -> dict:
         out[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode("utf-8")),
                                                                    dtype=torch.uint8)
     return out
+
+
+def comfy_qwen35(comfy, sd, d, ops=None, layout=None):
+    """ComfyUI's ``Qwen35`` (no vision tower) with ``ops`` (default ``manual_cast``), loaded from
+    ``sd`` in ComfyUI's key layout (``layout(sd)`` first when given, e.g. int8 quantization)."""
+    from .tiny import to_layout
+
+    comfy_ops, qwen35 = comfy
+    ops = comfy_ops.manual_cast if ops is None else ops
+    cfg = qwen35.Qwen35Config(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
+        linear_num_key_heads=d["linear_num_key_heads"], linear_num_value_heads=d["linear_num_value_heads"],
+        linear_key_head_dim=d["linear_key_head_dim"], linear_value_head_dim=d["linear_value_head_dim"],
+        layer_types=list(d["layer_types"]), lm_head=not d["tied"], stop_tokens=[])
+
+    class Tiny(qwen35.Qwen35):  # ComfyUI's class without its (large) vision tower
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.num_layers = cfg.num_hidden_layers
+            self.model = qwen35.Qwen35Transformer(cfg, device="cpu", dtype=torch.float32, ops=ops)
+            self.dtype = torch.float32
+            self.mtp = None  # newer core's own MTP head slot (built by load_clip from mtp.* tensors)
+
+    model = Tiny()
+    text = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+    text = to_layout(text, "comfyui")
+    missing, unexpected = model.load_state_dict(text if layout is None else layout(text), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
