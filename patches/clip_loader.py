@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from . import comfy_bridge as bridge
-from . import mtp_graft
+from . import mtp_graft, swap_patcher
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ def load_qwen35_clip(clip_path: str, mtp_path: str | None = None, *, device: str
                               clip_type=getattr(comfy.sd.CLIPType, "QWEN_IMAGE", comfy.sd.CLIPType.STABLE_DIFFUSION),
                               model_options=model_options, **resident)
     bridge.find_qwen35(clip)  # the loaded object must be what the engine binds to
+    swap_patcher.install(clip.patcher)  # ComfyUI's own loads and unloads, its weights moved at the bus's speed
     vision = any(k.startswith("model.visual.") for k in keys)
 
     core_head = mtp_graft.core_mtp_head(clip)

@@ -35,6 +35,7 @@ from ..kernels import say_once
 from ..kernels.capabilities import fp8_reason
 from ..kernels.convrot import convrot_group_ok
 from ..kernels.packed4 import Packed4, packed_reason
+from . import swap_patcher
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ def resident_clip(clip):
                      "read its weights in place", patcher.model_size() / gb)
             owner = patcher.clone(disable_dynamic=True)
             owner.parent = None  # the owner of these weights, as a loader's patcher is
+            swap_patcher.install(owner)  # its clones inherit the class: every load of these weights moves them fast
         resident = clip.clone()
         resident.patcher = patcher.clone(disable_dynamic=True, model_override=owner.get_clone_model_override())
     except Exception as exc:  # noqa: BLE001 - any loader fault leaves the streamed CLIP, said once

@@ -225,6 +225,9 @@ def graft_mtp(clip, tensors: dict, *, source: str = "") -> int:
             log.info("Qwen3.5 MTP head kept in %s beside the 4-bit model: int8 rows are read in place only by "
                      "the Triton kernels (%s)", dtype, why)
     target.model.mtp = head
+    patcher = getattr(clip, "patcher", None)
+    if getattr(patcher, "size", 0):  # ComfyUI's cached model size predates the head: counted anew at next use
+        patcher.size = 0
     log.info("Qwen3.5 MTP head grafted from %s (%.1f M parameters)", source or "memory", n / 1e6)
     return n
 

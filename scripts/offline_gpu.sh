@@ -14,7 +14,10 @@
 # tiles), tiles (the 4-bit tiles launch by launch, `gemv4_tiles.py`), e2e4 (convrot_w4a4, int8, nvfp4
 # files: MTP off, forced MTP-3, forced MTP-3 over the draft vocabulary), e2e4r (the same files, MTP off
 # and forced MTP-3, 300 tokens, each row 3 times interleaved), acc8 / acc16 (`--accept`,
-# int8 / bf16), acc8s (int8 `--accept` at P 0, 0.3, 0.5, 0.7 only).
+# int8 / bf16), acc8s (int8 `--accept` at P 0, 0.3, 0.5, 0.7 only), loop16 / loop24 (`loop_run.py`, the 9B
+# int8 file at a 16 / 24 GB budget, ComfyUI's own moves then the pack's: 3 prompts of 2000 / 500 tokens),
+# loop4 (the same, convrot_w4a4, 16 GB, 500 tokens), loopnt (int8, 16 GB, 500 tokens, Triton hidden),
+# tests65 (the GPU test of the loop at 0.8B, with and without Triton).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=.gpu
@@ -73,7 +76,17 @@ for s in "$@"; do
              --json "$OUT/mtp_accept_int8_short.json" ;;
     acc16) step acc16 300 "${E2E[@]}" --formats bf16 --accept 0 0.3 0.5 0.7 0.9 1 --tokens 300 \
              --json "$OUT/mtp_accept_bf16.json" ;;
-    *) echo "unknown step $s (steps: tests tests4 tiles e2e4 e2e4r acc8 acc8s acc16)"; exit 2 ;;
+    loop16|loop24|loop4|loopnt)
+      budget=16; fmt=int8; tokens=500; extra=()
+      case $s in loop16) tokens=2000 ;; loop24) budget=24 ;; loop4) fmt=w4a4 ;; loopnt) extra=(--no-triton) ;; esac
+      for swap in off on; do
+        step "${s}_$swap" 280 python3 benchmarks/loop_run.py --comfyui "$TREE" --budget-gb $budget --format $fmt \
+          --tokens $tokens --prompts 3 --swap $swap "${extra[@]}" --json "$OUT/${s}_$swap.json"
+      done ;;
+    tests65) step gpu_tests65 240 env QWEN35_FAST_COMFYUI="$TREE" python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+               tests/comfyui/test_comfyui_gpu.py -k loop_run ;;
+    *) echo "unknown step $s (steps: tests tests4 tiles e2e4 e2e4r acc8 acc8s acc16 loop16 loop24 loop4 loopnt" \
+            "tests65)"; exit 2 ;;
   esac
 done
 echo "== done, $(left) s left"

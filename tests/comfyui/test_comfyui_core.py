@@ -172,6 +172,11 @@ def test_load_patch_greedy_mtp(comfy, kind):
             assert bind(target.transformer).mtp is core_head
         else:
             assert core_head is None and grafted is not None
+        # ComfyUI plans its VRAM with the model's size: the head the pack grafted is counted in it
+        assert clip.patcher.model_size() == comfy.model_management.module_size(clip.patcher.model)
+        from qwen35_fast.patches.swap_patcher import SwapMixin
+
+        assert isinstance(clip.patcher, SwapMixin) and isinstance(clip.patcher.clone(), SwapMixin)
     else:
         clip = _core_load(comfy, checkpoint(kind))
     tokens = clip.tokenize(PROMPT)

@@ -137,36 +137,32 @@ def test_without_triton_graphs_equal_the_triton_path(comfy, checkpoints, tmp_pat
 
 
 @pytest.mark.parametrize("triton", [True, False], ids=["triton", "no-triton"])
-def test_budget_run(tmp_path, triton):
-    """``benchmarks/budget_run.py`` at a small scale (0.8B int8, a 4 GB budget, a 3 GB stand-in image
-    model, held as a workflow holds it), with and without Triton: no out-of-memory, ComfyUI offloads
-    the text encoder for the stand-in and the stand-in for the text encoder (the two never fit
-    together), and the enhancer's tokens after it equal the first run's."""
+def test_loop_run(tmp_path, triton):
+    """``benchmarks/loop_run.py`` at a small scale (0.8B int8, a 4 GB budget, a 3 GB stand-in image model),
+    with and without Triton: three prompts, each evicting the image model for the enhancer and the
+    enhancer for the image model, never out of memory; every prompt's tokens (sampled, one seed) equal
+    the first's; the enhancer's moves go through the swap patcher's pinned mirror (to the GPU as copies
+    of its whole size, back to the host with no copy) within ComfyUI's pinned-memory limit. The
+    bandwidths are reported, not asserted (a benchmark measures them)."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "budget.json"
-    cmd = [sys.executable, str(root / "benchmarks" / "budget_run.py"), "--comfyui", COMFY, "--size", "0.8b",
-           "--budget-gb", "4", "--standin-gb", "3", "--max-length", "4096", "--tokens", "24", "--prompt", "200",
-           "--dir", str(tmp_path), "--json", str(out)] + ([] if triton else ["--no-triton"])
+    out = tmp_path / "loop.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "loop_run.py"), "--comfyui", COMFY, "--size", "0.8b",
+           "--budget-gb", "4", "--image-gb", "3", "--tokens", "24", "--prompts", "3", "--dir", str(tmp_path),
+           "--json", str(out)] + ([] if triton else ["--no-triton"])
     subprocess.run(cmd, check=True, cwd=root, timeout=900)
     result = json.loads(out.read_text())
     assert result["tokens_equal"] and result["triton"] == triton, result
-    assert result["peak_gb"] <= 4.0
-
-    def on_gpu(loaded, standin: bool) -> float:
-        return sum(m["gpu_gb"] for m in loaded if (m["model"] == "Sequential") == standin)
-
-    after = result["loaded_after_standin"]
-    # the stand-in on the GPU (ComfyUI may keep part of it off: 1.9 of 3 GB on an H100), the text encoder off
-    assert on_gpu(after, True) > 1.0 and on_gpu(after, False) < 0.1, after
-    assert sum(m["gpu_gb"] for m in after) <= 4.0, after
-    first, again = result["runs"]
-    assert first["loaded"] and again["tok_s"] > 0
-    # the second run's text encoder back on the GPU, and for it less of the stand-in than before
-    assert on_gpu(again["loaded"], False) > 0.5 and on_gpu(again["loaded"], True) < on_gpu(after, True), again
-    assert sum(m["gpu_gb"] for m in again["loaded"]) <= 4.0, again["loaded"]
+    rows = result["rows"]
+    assert all(r["peak_gb"] <= 4.0 and r["tokens"] == 24 for r in rows), rows
+    assert all(r["pinned_gb"] <= result["max_pinned_gb"] for r in rows)
+    for r in rows[1:]:  # the image model was on the card: both moves happened, each way
+        assert r["evict_image_s"] > 0 and r["load_enhancer_s"] > 0 and r["evict_enhancer_s"] > 0, r
+        load, evict = r["enhancer_load_move"], r["enhancer_evict_move"]
+        assert load["direction"] == "to the GPU" and load["bytes"] > 0 and load["unmirrored"] == 0, load
+        assert evict["direction"] == "to the host" and evict["copied"] == 0 and evict["kept"] > 0, evict
 
 
 def test_soak_inside_comfyui(comfy, checkpoints, caplog):
