@@ -5,6 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..patches import convert_4bit
+from ..patches.comfy_bridge import show_status
+from ..patches.stats_line import short_name
 
 
 class Qwen35Save4bit(io.ComfyNode):
@@ -52,5 +54,8 @@ class Qwen35Save4bit(io.ComfyNode):
         out = convert_4bit.convert(source, folder_paths.get_folder_paths("text_encoders")[0], format,
                                    progress=lambda done, total, key: bar.update_absolute(done, total),
                                    cancelled=cancelled, errors=errors)
-        status = convert_4bit.summary(out, steps, errors)
+        # first what to do with it (4 bits may change the answers), short; then the full summary
+        status = (f"Wrote {short_name(str(out))}: compare its answers with the source's.\n"
+                  f"{convert_4bit.summary(out, steps, errors)}")
+        show_status(status)  # on the node itself
         return io.NodeOutput(status, ui={"text": [status]})

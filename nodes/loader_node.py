@@ -7,7 +7,8 @@ from comfy_api.latest import io
 from ..downloads import model_fetch
 from ..downloads.head_check import has_mtp_tensors
 from ..patches.clip_loader import NO_MTP_FILE, load_qwen35_clip
-from ..patches.comfy_bridge import show_status
+from ..patches.comfy_bridge import set_clip_info, show_status
+from ..patches.stats_line import short_name
 
 
 class Qwen35CLIPLoader(io.ComfyNode):
@@ -67,5 +68,17 @@ class Qwen35CLIPLoader(io.ComfyNode):
             mtp_path = folder_paths.get_full_path_or_raise("text_encoders", mtp_head)
         result = load_qwen35_clip(clip_path, mtp_path, device=device,
                                   embedding_directory=folder_paths.get_folder_paths("embeddings"))
-        show_status(result.status)  # on the node itself, not only through a connected preview
-        return io.NodeOutput(result.clip, result.status, ui={"text": [result.status]})
+        # a head fetched by range reads: after generations that never accept its drafts, say it may be wrong
+        if mtp_path is not None and model_fetch.is_download(mtp_head):
+            set_clip_info(result.clip, fetched_head=mtp_path)
+        status = "\n".join(status_lines(clip_path, mtp_path, result))
+        show_status(status)  # on the node itself, not only through a connected preview
+        return io.NodeOutput(result.clip, status, ui={"text": [status]})
+
+
+def status_lines(clip_path: str, mtp_path: str | None, result) -> list[str]:
+    """The loader's status: whether MTP is on (the fix first when it is off), the file loaded (names
+    shortened), then the loader's full line (head source, how it was attached, its size)."""
+    first = (f"MTP on: head {short_name(mtp_path or clip_path)}" if result.mtp else
+             f"MTP off: no head. Pick mtp_head '{model_fetch.mtp_download_options()[0]}'.")
+    return [first, f"Loaded {short_name(clip_path)}", result.status]

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import comfy_bridge as bridge
-from . import comfy_weights
+from . import comfy_weights, swap_patcher
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +82,18 @@ class _EngineGenerate:
             decode=_decoder(self.tokenizer), label="Qwen3.5 length-aware generate", **sampling)
         if self.report_to is not None and self.report_to[0] != bridge.executing_node_id():
             node_id, status = self.report_to
-            bridge.show_status(f"{bridge.format_stats('Last run', tokens.stats, tokens.stop_reason)}\n{status}",
-                               node_id)
+            lines = bridge.status_lines(tokens.stats, tokens.stop_reason)
+            lines[0] = f"Last run: {lines[0]}"
+            bridge.show_status("\n".join([*tokens.notes, status.split("\n")[0], *lines]), node_id)
         return tokens
 
 
 def report_runs_to(patched, node_id: str | None, status: str) -> None:
     """After each generation on ``patched`` (a ``patch_clip`` result) run by ANOTHER node (core Generate
-    Text), show under node ``node_id`` (the patch node, which returned before the run) the run's stats
-    line (tokens, tok/s, MTP acceptance) first, then ``status``. ``node_id`` None: nothing is shown."""
+    Text), show under node ``node_id`` (the patch node, which returned before the run) the run's notes
+    to act on (a suspect head), then the first line of ``status`` (the MTP state: "MTP off: no head ..."
+    stays in view), then "Last run: " and the run's summary (tokens, tok/s, MTP acceptance), then its
+    details. ``node_id`` None: nothing is shown."""
     for patch in getattr(getattr(patched, "patcher", None), "object_patches", {}).values():
         if isinstance(patch, _EngineGenerate):
             patch.report_to = None if node_id is None else (str(node_id), status)
@@ -191,15 +194,16 @@ def _refuse_unknown(entry: str, kwargs: Mapping) -> None:
 
 
 def patch_status(clip, mtp: str) -> str:
-    """One line for the patch node: what decodes, and whether MTP runs; the fix first when it cannot."""
+    """The patch node's status: its first line whether MTP runs (the fix, when it cannot), short enough
+    to stay in view under the node; a second line, where MTP cannot run, that decoding is length-aware."""
     target = bridge.find_qwen35(clip)
     has_head = getattr(target.model, "mtp", None) is not None or getattr(target.transformer, "mtp", None) is not None
     if str(mtp) == "off":
-        return "Length-aware decode on; MTP off (mtp = off)."
+        return "MTP off (mtp = off); length-aware decode on."
     if not has_head:
-        return ("MTP off: no head. Load the CLIP with 'Load Qwen3.5 CLIP (MTP)' (mtp_head: download) for MTP; "
-                "length-aware decode is on.")
-    return f"Length-aware decode on; MTP {mtp}."
+        return ("MTP off: no head. Load the CLIP with 'Load Qwen3.5 CLIP (MTP)'.\n"
+                "Length-aware decode on.")
+    return f"MTP {mtp}; length-aware decode on."
 
 
 def patch_clip(clip, *, mtp="auto", attention="auto"):
@@ -225,6 +229,7 @@ def patch_clip(clip, *, mtp="auto", attention="auto"):
     target.streamed = streamed
     if not hasattr(patched, "patcher") or not hasattr(patched.patcher, "add_object_patch"):
         raise bridge.Qwen35Unsupported("This ComfyUI's CLIP patcher has no add_object_patch(); update ComfyUI.")
+    swap_patcher.install(patched.patcher)  # its weights move at the bus's speed (ComfyUI still decides when)
     tokenizer = getattr(clip, "tokenizer", None)
     patched.patcher.add_object_patch(target.generate_path, TokensGenerate(target, settings, tokenizer))
     patched.patcher.add_object_patch(target.transformer_generate_path, EmbedsGenerate(target, settings, tokenizer))

@@ -17,8 +17,8 @@ from typing import Any
 
 from ..engine import ATTENTION_CHOICES, MTP_CHOICES, check_max_length, generate, parse_mtp
 from ..engine.config import RELEASED_STOP_TOKENS
-from . import comfy_weights
-from .stats_line import format_mtp, format_stats
+from . import comfy_weights, swap_patcher
+from .stats_line import format_mtp, format_stats, log_line, status_lines, suspect_head_note
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 INFO_KEY = "qwen35_fast"
 
 __all__ = ["ATTENTION_CHOICES", "MTP_CHOICES", "parse_mtp",  # the nodes' options, from the engine
-           "format_mtp", "format_stats"]
+           "format_mtp", "format_stats", "status_lines"]
 
 #: How the engine reads ComfyUI-loaded weights in place (one per process: it caches ConvRot matrices).
 WEIGHTS = comfy_weights.Resolver()
@@ -275,12 +275,14 @@ class Progress:
             _send_text(self.decode(list(all_tokens)), self.node_id)
         comfy.model_management.throw_exception_if_processing_interrupted()
 
-    def finish(self, token_ids: list[int], status: str | None = None) -> None:
-        """Final text under the node: ``status`` (the stats line: tokens, tok/s, MTP acceptance) FIRST,
-        where the node's two-line preview shows it, then the whole generated text (not throttled)."""
+    def finish(self, token_ids: list[int], status: Sequence[str] = ()) -> None:
+        """Final text under the node: the ``status`` lines (``stats_line.status_lines``: notes to act on,
+        then tokens, tok/s and MTP acceptance) FIRST, where the node's short preview shows them, then a
+        blank line and the whole generated text (not throttled)."""
         text = self.decode(list(token_ids)) if self.decode is not None else ""
-        if status or text:
-            _send_text(f"[{status}]\n{text}".rstrip() if status else text, self.node_id)
+        head = "\n".join(status)
+        if head or text:
+            _send_text(f"{head}\n\n{text}".rstrip() if head else text, self.node_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,10 +312,13 @@ def comfy_weight_cast(module, h):
 
 
 class TokenList(list):
-    """Generated token ids (what core ``generate`` returns) plus the engine's ``stats``."""
+    """Generated token ids (what core ``generate`` returns) plus the engine's ``stats`` and ``notes``
+    (status lines to act on, e.g. ``stats_line.suspect_head_note``'s)."""
 
     stats: Any = None
     stop_reason: str | None = None
+    notes: tuple = ()
+
 
 
 def stop_tokens_of(target: Qwen35Target) -> list[int]:
@@ -367,7 +372,12 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
     tokens = TokenList(result.tokens)
     tokens.stats = result.stats
     tokens.stop_reason = getattr(result, "stop_reason", None)
-    line = format_stats(label, result.stats, tokens.stop_reason)
-    progress.finish(tokens, line)
-    log.info("%s", line)
+    note = suspect_head_note(clip_info(target), result.stats)
+    if note is not None:
+        tokens.notes = (note,)
+        log.warning("%s: %s", label, note)
+    move_note, moved = swap_patcher.status_report(target.patcher.model) if target.patcher is not None else (None, None)
+    tokens.notes += (move_note,) if move_note else ()
+    progress.finish(tokens, status_lines(result.stats, tokens.stop_reason, tokens.notes) + ([moved] if moved else []))
+    log.info("%s", log_line(label, result.stats, tokens.stop_reason))
     return tokens

@@ -6,9 +6,12 @@ standalone loader and times greedy decoding at two very different ``max_length``
 on, with the length-aware attention ("torch") and the capacity-bound one ComfyUI uses today
 ("masked"). Each configuration is warmed up, then repeated round robin; the best run counts (other
 processes only add time). Threads are pinned so a busy 2-core machine does not flip the result.
-Prints one verdict line per claim:
+Prints the table of best / median / worst ms per token, then one verdict line per claim, from the
+table's numbers:
 
-* flat in max_length: time per token at the large max_length / at the small one, "yes" within 15 %;
+* flat in max_length: time per token at the large max_length / at the small one (best runs), "yes"
+  within 15 %; the masked attention the other way round. Where the repeats allow ratios on both sides
+  of 15 % (fastest large / slowest small up to slowest large / fastest small), "too noisy to judge";
 * MTP exact: greedy tokens identical with MTP off and on, at both max_lengths, with both attentions.
 
 Then (unless ``--skip-capacity``) one decode-attention call against cache capacity
@@ -23,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 FLAT_TOLERANCE = 1.15
@@ -39,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"MTP draft depth for the 'on' runs, 1..{MAX_MTP_DEPTH} (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration (default 1)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best (fastest) counts, "
-                    "the median is shown beside it")
+                    "the median and worst are shown beside it, and decide when a verdict is too noisy")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                     help="CPU threads, pinned to as many cores (default: min(2, cores))")
     ap.add_argument("--skip-capacity", action="store_true", help="skip the decode-attention capacity table")
@@ -158,61 +162,105 @@ def timed_generate(model, prompt, *, new_tokens: int, max_length: int, mtp, atte
     return tokens, stats, 1e3 * stats.decode_s / max(1, stats.tokens - 1)
 
 
-def measure(model, prompt, args) -> dict:
-    """{(attention, max_length, mtp): (tokens, best ms/token, stats, spread)} over warm-up + repeats.
+@dataclass
+class Runs:
+    """One configuration's timed repeats: the tokens of each run and its ms per token, the last stats."""
 
-    The best (least disturbed) of the repeats counts: other processes only ever add time."""
+    tokens: list
+    times: list
+    stats: object
+
+    @property
+    def best(self) -> float:
+        return min(self.times)
+
+    @property
+    def worst(self) -> float:
+        return max(self.times)
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / fastest."""
+        return (self.worst - self.best) / self.best if self.best else 0.0
+
+    @property
+    def same_tokens(self):
+        """The tokens every repeat gave, or None where repeats differed."""
+        return self.tokens[0] if all(t == self.tokens[0] for t in self.tokens) else None
+
+
+def measure(model, prompt, args) -> dict:
+    """{(attention, max_length, mtp): Runs} over warm-up + repeats, printed as the table the verdicts
+    read: the best (least disturbed: other processes only ever add time), the median and the spread."""
     small, large = args.max_lengths
     configs = [(a, m, d) for a in ("torch", "masked") for m in (small, large) for d in ("off", args.mtp)]
-    results = {}
     for config in configs:
         for _ in range(args.warmup):
             timed_generate(model, prompt, new_tokens=args.new_tokens, max_length=config[1], mtp=config[2],
                            attention=config[0])
-    times = {c: [] for c in configs}
-    runs = {c: [] for c in configs}
-    last = {}
+    results = {c: Runs([], [], None) for c in configs}
     for _ in range(args.repeats):  # round robin: load from other processes hits every configuration alike
         for config in configs:
             tokens, stats, ms = timed_generate(model, prompt, new_tokens=args.new_tokens, max_length=config[1],
                                                mtp=config[2], attention=config[0])
-            times[config].append(ms)
-            runs[config].append(tokens)
-            last[config] = stats
+            runs = results[config]
+            runs.times.append(ms)
+            runs.tokens.append(tokens)
+            runs.stats = stats
     print(f"{'attention':>9} {'max_length':>10} {'MTP':>4} {'accepted':>9} {'best ms/tok':>11} {'median':>8}"
-          f" {'spread':>7}")
+          f" {'worst':>8}")
     for config in configs:
         attention, max_length, mtp = config
-        stats, ts, rs = last[config], times[config], runs[config]
-        med, best = statistics.median(ts), min(ts)
-        spread = (max(ts) - best) / best if best else 0.0
-        acc = f"{100 * stats.acceptance_rate:.0f}%" if stats.mtp_depth else "-"
-        print(f"{attention:>9} {max_length:>10} {str(mtp):>4} {acc:>9} {best:>11.2f} {med:>8.2f} {100 * spread:>6.0f}%",
-              flush=True)
-        results[config] = (rs[0] if all(r == rs[0] for r in rs) else None, best, stats, spread)
+        runs = results[config]
+        acc = f"{100 * runs.stats.acceptance_rate:.0f}%" if runs.stats.mtp_depth else "-"
+        print(f"{attention:>9} {max_length:>10} {str(mtp):>4} {acc:>9} {runs.best:>11.2f} "
+              f"{statistics.median(runs.times):>8.2f} {runs.worst:>8.2f}", flush=True)
     return results
 
 
+def judge(large: Runs, small: Runs, limit: float) -> tuple[str, float, float, float]:
+    """Whether time per token at the large max_length over the small one stays within ``limit``:
+    ("yes" / "no" / "too noisy to judge", the ratio of the best runs, and the lowest and highest
+    ratio the repeats allow (fastest large / slowest small, slowest large / fastest small)). Too noisy:
+    ``limit`` lies inside that range, so the repeats cannot tell which side the ratio is on."""
+    ratio, low, high = large.best / small.best, large.best / small.worst, large.worst / small.best
+    if high <= limit:
+        return "yes", ratio, low, high
+    if low > limit:
+        return "no", ratio, low, high
+    return "too noisy to judge", ratio, low, high
+
+
+def _evidence(large: Runs, small: Runs, sizes, ratio: float, low: float, high: float, repeats: int) -> str:
+    spread = f"; repeats allow x{low:.2f}..x{high:.2f}" if repeats > 1 else ""
+    return (f"{sizes[1]} vs {sizes[0]}: {large.best:.2f} / {small.best:.2f} ms per token = x{ratio:.2f} "
+            f"(best of {repeats} runs each{spread})")
+
+
 def verdicts(results: dict, args) -> list[str]:
+    """One line per claim, from the table's numbers; a timing claim the repeats cannot resolve says so."""
     small, large = args.max_lengths
-    lines = []
+    lines, noisy = [], False
     for mtp in ("off", args.mtp):
-        ratio = results[("torch", large, mtp)][1] / results[("torch", small, mtp)][1]
-        flat = ratio <= FLAT_TOLERANCE
-        lines.append(f"flat in max_length (length-aware attention, MTP {mtp}): {'yes' if flat else 'no'} "
-                     f"- {large} vs {small}: x{ratio:.2f} per token (best of {args.repeats} runs each)")
-    masked = results[("masked", large, "off")][1] / results[("masked", small, "off")][1]
-    lines.append(f"capacity-bound 'masked' attention (ComfyUI today) at {large} vs {small}: x{masked:.2f} per token")
-    token_lists = [r[0] for r in results.values()]
+        big, little = results[("torch", large, mtp)], results[("torch", small, mtp)]
+        verdict, ratio, low, high = judge(big, little, FLAT_TOLERANCE)
+        noisy |= verdict.startswith("too noisy")
+        lines.append(f"flat in max_length (length-aware attention, MTP {mtp}): {verdict} - "
+                     + _evidence(big, little, args.max_lengths, ratio, low, high, args.repeats))
+    big, little = results[("masked", large, "off")], results[("masked", small, "off")]
+    verdict, ratio, low, high = judge(big, little, FLAT_TOLERANCE)
+    grows = {"yes": "no", "no": "yes"}.get(verdict, verdict)
+    noisy |= verdict.startswith("too noisy")
+    lines.append(f"capacity-bound 'masked' attention (ComfyUI today) slower at the large max_length: {grows} - "
+                 + _evidence(big, little, args.max_lengths, ratio, low, high, args.repeats))
+    token_lists = [r.same_tokens for r in results.values()]
     exact = all(t is not None and t == token_lists[0] for t in token_lists)
     lines.append(f"MTP exact (greedy tokens identical, MTP off/on, both max_lengths, both attentions): "
                  f"{'yes' if exact else 'no'}")
-    noisy = max(r[3] for r in results.values())
-    if noisy > 0.5:
-        lines.append(f"note: repeats differ by up to {100 * noisy:.0f}% (other load on this machine); the timing "
-                     "verdicts may flip: rerun with more --repeats on an idle machine")
-    on = results[("torch", small, args.mtp)][2]
-    off = results[("torch", small, "off")][2]
+    if noisy:
+        lines.append("too noisy: other load on this machine; rerun when it is idle, or with more --repeats")
+    on = results[("torch", small, args.mtp)].stats
+    off = results[("torch", small, "off")].stats
     lines.append(f"MTP {args.mtp}: {on.accepted}/{on.drafted} drafts accepted, {off.steps} -> {on.steps} model steps "
                  f"for {args.new_tokens} tokens")
     return lines

@@ -62,6 +62,10 @@ WIDGETS = {
     "Qwen35FastPromptEnhancer": ["prompt", "system_prompt", "preset", "max_length", "seed", "+control", "mtp",
                                  "thinking", "megapixels", "temperature", "top_k", "top_p", "min_p",
                                  "presence_penalty", "attention"],
+    "Qwen35FastPromptEnhancerServer": ["base_url", "model", "api", "api_key_env", "max_concurrent", "timeout_s",
+                                       "prompt", "system_prompt", "preset", "max_length", "seed", "+control",
+                                       "thinking", "megapixels", "temperature", "top_k", "top_p", "min_p",
+                                       "presence_penalty", "deadline_s"],
     "Qwen35FastLengthAwarePatch": ["mtp", "attention"],
     "CLIPLoader": ["clip_name", "type", "device"],
     "TextGenerate": ["prompt", "max_length", "sampling_mode", "sampling_mode.temperature", "sampling_mode.top_k",
@@ -88,6 +92,10 @@ SOCKETS = {
                                  [("rewritten_prompt", "STRING"), ("thinking", "STRING"), ("wh_ratio", "STRING"),
                                   ("ratio_follow", "STRING"), ("width", "INT"), ("height", "INT"),
                                   ("parse_ok", "BOOLEAN")]),
+    "Qwen35FastPromptEnhancerServer": ([(f"image{k}", "IMAGE") for k in range(1, 11)],
+                                       [("rewritten_prompt", "STRING"), ("thinking", "STRING"), ("wh_ratio", "STRING"),
+                                        ("ratio_follow", "STRING"), ("width", "INT"), ("height", "INT"),
+                                        ("parse_ok", "BOOLEAN"), ("status", "STRING")]),
     "Qwen35FastLengthAwarePatch": ([("clip", "CLIP")], [("CLIP", "CLIP")]),
     "CLIPLoader": ([], [("CLIP", "CLIP")]),
     "TextGenerate": ([("clip", "CLIP"), ("image", "IMAGE"), ("video", "IMAGE"), ("audio", "AUDIO")],
@@ -217,6 +225,8 @@ PE_COMMON = dict(system_prompt=SYSTEM_HINT, seed=42, mtp="auto", thinking=True, 
 
 
 def _image_half(g: Graph, pe: int, x: int, edit_image: int | None = None):
+    """The Qwen-Image 2.1 half in two columns at ``x`` and ``x + 400``: a template (which the frontend opens
+    fitted to the whole graph) then opens at a zoom where node text is drawn."""
     g.add(20, "UNETLoader", (x, 0), unet_name=DIT, weight_dtype="default")
     g.add(21, "ModelSamplingAuraFlow", (x + 400, 0), shift=3.1)
     g.link(20, 0, 21, "model")
@@ -233,19 +243,19 @@ def _image_half(g: Graph, pe: int, x: int, edit_image: int | None = None):
     g.link(pe, 0, 24, "text" if edit_image is None else "prompt")
     g.add(25, "CLIPTextEncode", (x + 400, 400), title="Negative", text="")
     g.link(22, 0, 25, "clip")
-    g.add(26, "EmptySD3LatentImage", (x + 400, 600), width=1328, height=1328, batch_size=1)
+    g.add(26, "EmptySD3LatentImage", (x, 600), width=1328, height=1328, batch_size=1)
     g.link(pe, 4, 26, "width")
     g.link(pe, 5, 26, "height")
-    g.add(27, "KSampler", (x + 800, 0), seed=42, steps=40, cfg=4.0, sampler_name="euler", scheduler="simple",
+    g.add(27, "KSampler", (x + 400, 600), seed=42, steps=40, cfg=4.0, sampler_name="euler", scheduler="simple",
           denoise=1.0)
     g.link(21, 0, 27, "model")
     g.link(24, 0, 27, "positive")
     g.link(25, 0, 27, "negative")
     g.link(26, 0, 27, "latent_image")
-    g.add(28, "VAEDecode", (x + 1200, 0))
+    g.add(28, "VAEDecode", (x, 800))
     g.link(27, 0, 28, "samples")
     g.link(23, 0, 28, "vae")
-    g.add(29, "SaveImage", (x + 1600, 0), filename_prefix="qwen_image_2.1_pe")
+    g.add(29, "SaveImage", (x + 400, 900), filename_prefix="qwen_image_2.1_pe")
     g.link(28, 0, 29, "images")
 
 
@@ -262,6 +272,34 @@ def text_to_image() -> Graph:
     g.add(5, "PreviewAny", (800, 400), title="Loader status")
     g.link(1, 1, 5, "source")
     g.add(30, "Note", (0, 250), title="What to download", text=NOTE_T2I.format(DIT=DIT, TE=TE, VAE=VAE))
+    _image_half(g, 2, 1200)
+    return g
+
+
+NOTE_SERVER = ("The enhancer runs on your OpenAI-compatible server (docs/server.md): start it with the enhancer "
+               "(e.g. vllm serve Qwen/Qwen-Image-2.1-PE-T2I --reasoning-parser qwen3), set base_url and model; api "
+               "auto asks the server what it honours. A key: put it in an environment variable, name it in "
+               "api_key_env, and pair the two in qwen35_fast_servers.json in ComfyUI's user folder. Qwen's official "
+               "system prompt is downloaded once into models/qwen_image_pe. For the image half put these in place "
+               "(hf download Comfy-Org/Qwen-Image-2.1 <file> --local-dir ComfyUI/models): diffusion_models/{DIT}, "
+               "text_encoders/{TE}, vae/{VAE}.")
+SERVER_COMMON = dict(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen-Image-2.1-PE-T2I", api="auto",
+                     api_key_env="", max_concurrent=4, timeout_s=300, deadline_s=3600)
+
+
+def text_to_image_server() -> Graph:
+    """pe_text_to_image with the server enhancer in the local one's place (same output slots 0-6)."""
+    g = Graph()
+    common = {k: v for k, v in PE_COMMON.items() if k not in ("mtp", "attention")}
+    g.add(2, "Qwen35FastPromptEnhancerServer", (400, 0), prompt=T2I_PROMPT, preset="text-to-image",
+          max_length=16256, **SERVER_COMMON, **common)
+    g.add(3, "PreviewAny", (800, 0), title="Rewritten prompt")
+    g.link(2, 0, 3, "source")
+    g.add(4, "PreviewAny", (800, 200), title="Thinking")
+    g.link(2, 1, 4, "source")
+    g.add(5, "PreviewAny", (800, 400), title="Server status")
+    g.link(2, 7, 5, "source")
+    g.add(30, "Note", (0, 250), title="What to download", text=NOTE_SERVER.format(DIT=DIT, TE=TE, VAE=VAE))
     _image_half(g, 2, 1200)
     return g
 
@@ -306,6 +344,8 @@ def text_generate() -> Graph:
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
     specs = [
+        ("pe_text_to_image_server", "pe_text_to_image_server_api", text_to_image_server(), [DIT, TE, VAE],
+         {2, 3, 4, 5}),
         ("pe_text_to_image", "pe_text_to_image_api", text_to_image(), [PE_T2I, DIT, TE, VAE],
          {1, 2, 3, 4, 5}),
         ("pe_edit", "pe_edit_api", edit(), [PE_I2I, DIT, TE, VAE], {1, 2, 3, 4, 5, 6}),

@@ -1,32 +1,47 @@
 #!/usr/bin/env bash
-# The real-ComfyUI tests against every tree scripts/comfyui_trees.sh builds (0.29.0, v3bias, v5cache).
+# The real-ComfyUI tests against every tree scripts/comfyui_trees.sh gives: with ../shared (CI) ComfyUI
+# 0.29.0 and two newer stacks (v3bias, v5cache); else one tree, yours (QWEN35_FAST_COMFYUI_TREE) or
+# 0.29.0 cloned by git. Where there is none, it prints one "skip: ..." line saying why and how, and
+# exits 0 (QWEN35_FAST_REQUIRE_COMFYUI=1, as CI sets: it fails instead).
 # Per tree: the in-process tests (core load_clip of random 0.8B checkpoints, bf16 and int8_convrot,
-# with and without mtp.*; the engine on ComfyUI's own modules), then the server tests (every API
+# with and without mtp.*; the engine on ComfyUI's own modules; the swap patcher's moves and ComfyUI's
+# bookkeeping around them), then the server tests (every API
 # workflow over HTTP, bad inputs, interrupt) on the trees in QWEN35_FAST_SERVER_TREES (default: v5cache,
-# the newest; a server run costs 4-5 min on 2 CPU cores, too much for CI on all three; "all" = every tree).
-# QWEN35_FAST_TREES limits the trees (e.g. "0.29.0 v5cache"). Tests marked one_tree (the pack's own
-# kernels under the Triton interpreter, minutes each, the same on every tree) run on the tree named by
-# QWEN35_FAST_ONE_TREE (default 0.29.0; "all" = every tree). Extra arguments go to every pytest run.
+# the newest, else the only tree; a server run costs 4-5 min on 2 CPU cores, too much for CI on all
+# three; "all" = every tree). QWEN35_FAST_TREES limits the trees (e.g. "0.29.0 v5cache"). Tests marked
+# one_tree (the pack's own kernels under the Triton interpreter, minutes each, the same on every tree)
+# run on the tree named by QWEN35_FAST_ONE_TREE (default 0.29.0, else the first tree; "all" = every
+# tree), as do the OpenAI-server and browser tests. Extra arguments go to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/cache_env.sh
 cache="${QWEN35_FAST_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/qwen35-fast-ci}"
 export QWEN35_FAST_CI_CACHE="$cache"
 export QWEN35_FAST_CACHE="${QWEN35_FAST_CACHE:-$cache/checkpoints}"  # random checkpoints, built once
 info="$(bash scripts/comfyui_trees.sh)"
+if grep -q '^skip:' <<<"$info"; then
+  grep '^skip:' <<<"$info"
+  exit 0
+fi
 python="$(awk '$1 == "python" {print $2}' <<<"$info")"
-only="${QWEN35_FAST_TREES:-0.29.0 v3bias v5cache}"
-server="${QWEN35_FAST_SERVER_TREES:-v5cache}"
-one_tree="${QWEN35_FAST_ONE_TREE:-0.29.0}"
-[ "$server" = all ] && server="0.29.0 v3bias v5cache"
+labels="$(awk '$1 == "tree" {printf "%s ", $2}' <<<"$info")"
+first="$(awk '$1 == "tree" {print $2; exit}' <<<"$info")"
+last="$(awk '$1 == "tree" {l = $2} END {print l}' <<<"$info")"
+only="${QWEN35_FAST_TREES:-$labels}"
+newest=$([[ " $labels " == *" v5cache "* ]] && echo v5cache || echo "$last")
+main=$([[ " $labels " == *" 0.29.0 "* ]] && echo 0.29.0 || echo "$first")
+server="${QWEN35_FAST_SERVER_TREES:-$newest}"
+one_tree="${QWEN35_FAST_ONE_TREE:-$main}"
+[ "$server" = all ] && server="$labels"
 status=0
 while read -r kind label tree extra; do
   [ "$kind" = tree ] || continue
   [[ " $only " == *" $label "* ]] || continue
   pp="${PYTHONPATH:-}"; [ "$extra" != - ] && pp="$extra${pp:+:$pp}"  # v5cache: its comfy-kitchen first
-  files=(tests/comfyui/test_comfyui_core.py tests/comfyui/test_engine_comfyui.py)
+  files=(tests/comfyui/test_comfyui_core.py tests/comfyui/test_engine_comfyui.py tests/comfyui/test_swap_patcher.py)
   [[ " $server " == *" $label "* ]] && files+=(tests/comfyui/test_comfyui_integration.py)
   # one transformers serve, reused; the real frontend in Chromium (skipped without it)
-  [ "$label" = 0.29.0 ] && files+=(tests/comfyui/test_pe_server.py tests/comfyui/test_frontend_browser.py)
+  [ "$label" = "$main" ] && files+=(tests/comfyui/test_pe_server.py tests/comfyui/test_frontend_browser.py)
   select=()
   [ "$one_tree" = all ] || [ "$one_tree" = "$label" ] || select=(-m "not one_tree")
   echo "=== ComfyUI $label ($tree): ${files[*]}"

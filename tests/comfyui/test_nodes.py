@@ -256,6 +256,9 @@ def test_user_errors_render_as_short_type_names():
     assert full_type_name(FetchError) == "qwen35_fast.FetchError"
     for cls in extension.USER_ERRORS:
         assert full_type_name(cls) == f"qwen35_fast.{cls.__name__}", cls
+    from qwen35_fast.patches.convert_checks import NonFinite  # a subclass the converter raises
+
+    assert full_type_name(NonFinite) == "qwen35_fast.NonFinite"
 
 
 def test_schemas_are_valid_and_complete():
@@ -315,7 +318,7 @@ def test_patch_node_shows_its_status_on_the_node(scripted):
         assert out.ui["text"] == [shown[-1]]
         clip.cond_stage_model.qwen35_test.transformer.model.mtp = torch.nn.Linear(2, 2)  # a grafted head
         Qwen35LengthAwarePatch.execute(clip, mtp="auto")
-        assert server.PromptServer.instance.texts[-1] == ("9", "Length-aware decode on; MTP auto.")
+        assert server.PromptServer.instance.texts[-1] == ("9", "MTP auto; length-aware decode on.")
     finally:
         exec_utils.NODE_ID = None
 
@@ -461,7 +464,7 @@ def with_mtp_stats(eng):
 def test_a_truncated_enhancer_run_warns_once_advice_first_and_keeps_its_stats_on_the_node(scripted, caplog,
                                                                                           monkeypatch):
     """One warning for one cause (the budget ran out while thinking), its first words the fix; the
-    node's text keeps that warning on ONE first line and the run's stats (tok/s, acceptance) under it."""
+    node's text keeps that warning on ONE first line and the run's summary (tok/s, acceptance) under it."""
     monkeypatch.setattr(bridge, "generate", with_mtp_stats(scripted("The user wants a fox. Let me think and")))
     exec_utils.NODE_ID = "7"
     with caplog.at_level("WARNING"):
@@ -471,20 +474,22 @@ def test_a_truncated_enhancer_run_warns_once_advice_first_and_keeps_its_stats_on
     last = server.PromptServer.instance.texts[-1]
     first, *rest = last[1].split("\n")
     assert last[0] == "7" and first.startswith("Warning: Raise max_length") and "still thinking" in first
-    assert len(rest) == 1 and "tok/s" in rest[0] and "acceptance 70.0%" in rest[0]
+    assert "tok/s" in rest[0] and "MTP depth 2, acceptance 70%" in rest[0], rest
+    assert "acceptance 70.0% (7/10 drafts)" in rest[1], rest
 
 
 def test_the_enhancer_node_shows_the_stats_line_first(scripted, monkeypatch):
-    """After a run the enhancer's node text starts with tokens, tok/s and MTP acceptance (the node
-    shows its first lines), the generated text under it."""
+    """After a run the enhancer's node text starts with one short line of tokens, tok/s and MTP
+    acceptance (the node shows its first lines), the details next, the generated text under them."""
     monkeypatch.setattr(bridge, "generate", with_mtp_stats(scripted(ANSWER)))
     exec_utils.NODE_ID = "7"
     run_pe(FakeCLIP())
     node_id, text = server.PromptServer.instance.texts[-1]
-    first = text.split("\n")[0]
-    assert node_id == "7" and first.startswith("[Qwen3.5 length-aware generate: ")
-    assert "tokens" in first and "tok/s" in first and "acceptance 70.0% (7/10 drafts)" in first
-    assert "The user wants a fox." in text
+    first, second = text.split("\n")[:2]
+    tokens = len(encode(ANSWER)) + 1  # the scripted reply and its stop token
+    assert node_id == "7" and first == f"{tokens} tokens, 10.0 tok/s, MTP depth 2, acceptance 70%", first
+    assert "acceptance 70.0% (7/10 drafts)" in second and "prefill" in second
+    assert "The user wants a fox." in text.split("\n\n", 1)[1]
 
 
 def test_the_patch_node_shows_the_stats_of_the_run_generate_text_made(scripted, monkeypatch):
@@ -498,11 +503,12 @@ def test_the_patch_node_shows_the_stats_of_the_run_generate_text_made(scripted, 
     exec_utils.NODE_ID = "12"  # core Generate Text
     patched.generate(patched.tokenize("hi"), max_length=20)
     on_patch = [t for nid, t in server.PromptServer.instance.texts if nid == "9"]
-    first, status = on_patch[-1].split("\n")
-    assert first.startswith("Last run: ") and "tok/s" in first and "acceptance 70.0%" in first
-    assert status == "Length-aware decode on; MTP 2."
+    state, last, details = on_patch[-1].split("\n")
+    assert state == "MTP 2; length-aware decode on."  # the MTP state stays first, in view
+    assert last.startswith("Last run: ") and "tok/s" in last and "acceptance 70%" in last
+    assert "acceptance 70.0% (7/10 drafts)" in details
     on_generate = [t for nid, t in server.PromptServer.instance.texts if nid == "12"]
-    assert on_generate[-1].startswith("[Qwen3.5 length-aware generate: ")
+    assert "tok/s" in on_generate[-1].split("\n")[0]
 
 
 def test_enhancer_edit_mode_passes_images_and_positions(scripted):
@@ -636,6 +642,7 @@ def test_loader_refuses_non_qwen_file_before_loading(te_folder):
 def test_loader_without_mtp_says_mtp_is_off(te_folder):
     out = Qwen35CLIPLoader.execute("qwen.safetensors", "none")
     clip, status = out.args
+    assert status.split("\n")[0] == "MTP off: no head. Pick mtp_head 'download (base model of the same size)'."
     assert "MTP is off" in status and out.ui == {"text": [status]}
     assert comfy.sd.CALLS[0][1] == comfy.sd.CLIPType.QWEN_IMAGE
     assert bridge.clip_info(clip) == {"vision": False, "mtp": False, "source": "qwen.safetensors"}
@@ -646,6 +653,7 @@ def test_loader_grafts_mtp_from_main_file_or_second_file(te_folder):
     _, grafts = te_folder
     clip, status = Qwen35CLIPLoader.execute("qwen_with_mtp.safetensors", "none").args
     assert grafts == [["mtp.fc.weight"]] and "MTP head from qwen_with_mtp.safetensors" in status
+    assert status.split("\n")[:2] == ["MTP on: head qwen_with_mtp", "Loaded qwen_with_mtp"]
     assert isinstance(clip.cond_stage_model.qwen35_test.transformer.model.mtp, torch.nn.Linear)
     clip, status = Qwen35CLIPLoader.execute("qwen.safetensors", "head.safetensors").args
     assert grafts[-1] == ["mtp.fc.weight", "mtp.norm.weight"] and bridge.clip_info(clip)["mtp"] is True
@@ -697,3 +705,112 @@ def test_loader_offers_missing_enhancer_files_and_downloads_them(te_folder, monk
     # the head download choice reads the size from the main file and refuses what it cannot place
     with pytest.raises(model_fetch.FetchError, match="cannot tell the Qwen3.5 size"):
         Qwen35CLIPLoader.execute("qwen.safetensors", "download (Qwen/Qwen3.5-9B)")
+
+
+# ---------------------------------------------------------------------------------------------
+# status that fits on the node; a suspect head
+
+
+PE_NAME = "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.safetensors"
+
+
+def test_the_loader_status_puts_mtp_first_in_short_lines(te_folder):
+    """The two lines the node shows first fit its width (long file names shortened, their telling parts
+    kept), MTP's state before the file name."""
+    from safetensors.torch import save_file
+
+    folder, _ = te_folder
+    save_file({mtp_graft.QWEN35_MARKER: torch.zeros(2), "mtp.fc.weight": torch.ones(2, 4)}, str(folder / PE_NAME))
+    exec_utils.NODE_ID = "3"
+    server.PromptServer.instance.texts.clear()
+    try:
+        _, status = Qwen35CLIPLoader.execute(PE_NAME, "none").args
+    finally:
+        exec_utils.NODE_ID = None
+    assert server.PromptServer.instance.texts[-1] == ("3", status)
+    first, second = status.split("\n")[:2]
+    assert first.startswith("MTP on: head ") and second.startswith("Loaded ")
+    for line in (first, second):
+        assert len(line) <= 50 and "pe_t2i" in line and "int8_convrot" in line and "qwen3.5_9b" in line, line
+
+
+class _HeadStats(SimpleNamespace):
+    """Stats of a run at depth 2 with ``accepted`` of ``drafted`` drafts kept."""
+
+    def __init__(self, drafted, accepted):
+        super().__init__(tokens=40, steps=30, drafted=drafted, accepted=accepted,
+                         acceptance_rate=accepted / drafted if drafted else 0.0, prefill_s=0.01, decode_s=0.1,
+                         tok_per_s=10.0, mtp_depth=2, attention_backend="torch",
+                         mtp_acceptance=[accepted / drafted if drafted else None])
+
+
+def _with_stats(eng, drafted, accepted):
+    def run(module, embeds, **kw):
+        res = eng(module, embeds, **kw)
+        res.stats = _HeadStats(drafted, accepted)
+        return res
+    return run
+
+
+def test_the_head_download_choice_is_recorded_a_chosen_file_is_not(te_folder, monkeypatch):
+    from qwen35_fast.downloads import model_fetch
+
+    folder, _ = te_folder
+    fetched = str(folder / "head.safetensors")
+    monkeypatch.setattr(model_fetch, "mtp_head_for", lambda choice, clip_path, dest, **kw: fetched)
+    clip, _ = Qwen35CLIPLoader.execute("qwen.safetensors", model_fetch.DOWNLOAD_MATCHING).args
+    assert bridge.clip_info(clip)["fetched_head"] == fetched
+    clip, _ = Qwen35CLIPLoader.execute("qwen.safetensors", "head.safetensors").args
+    assert "fetched_head" not in bridge.clip_info(clip)
+
+
+@pytest.mark.parametrize("case", ["fetched, never accepted", "supplied", "fetched, accepted", "too few drafts"])
+def test_a_fetched_head_whose_drafts_are_never_accepted_is_named_once(scripted, monkeypatch, caplog, tmp_path,
+                                                                      case):
+    """Near-zero acceptance on a head fetched by range reads: the enhancer node's FIRST line (and one log
+    warning) says the head may be wrong and how to fetch it anew (delete the named file, run again); the
+    next run says nothing more. A head the user supplied, accepted drafts or too few drafts: no note."""
+    head = tmp_path / "text_encoders" / "qwen3.5_9b_mtp_head.safetensors"
+    head.parent.mkdir()
+    head.write_bytes(b"head")
+    drafted, accepted = {"too few drafts": (4, 0), "fetched, accepted": (40, 24)}.get(case, (40, 1))
+    monkeypatch.setattr(bridge, "generate", _with_stats(scripted(ANSWER), drafted, accepted))
+    clip = FakeCLIP()
+    if case != "supplied":
+        bridge.set_clip_info(clip, fetched_head=str(head))
+    exec_utils.NODE_ID = "7"
+    shown = []
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            run_pe(clip)
+            shown.append(server.PromptServer.instance.texts[-1][1].split("\n")[0])
+    warned = [r.getMessage() for r in caplog.records if "MTP head may be wrong" in r.getMessage()]
+    if case != "fetched, never accepted":
+        assert not warned and all(line.startswith("40 tokens") for line in shown), shown
+        return
+    assert len(warned) == 1
+    assert shown[0].startswith("MTP head may be wrong (2% of drafts kept)"), shown
+    assert "delete qwen3.5_9b_mtp_head.safetensors from text_encoders and run again" in shown[0]
+    assert shown[1].startswith("40 tokens"), shown  # said once
+
+
+def test_the_4bit_node_shows_what_to_do_first_under_itself(te_folder, monkeypatch):
+    """The converter's node says first, in one short line, which file it wrote and to compare answers
+    (4 bits may change them); its summary follows."""
+    from qwen35_fast.nodes.convert_node import Qwen35Save4bit
+    from qwen35_fast.patches import convert_4bit
+
+    folder, _ = te_folder
+    written = folder / "qwen3.5_9b_qwen_image_2.1_pe_t2i.int8_convrot.convrot_w4a4.safetensors"
+    monkeypatch.setattr(convert_4bit, "plan", lambda source, fmt: [])
+    monkeypatch.setattr(convert_4bit, "convert", lambda *a, **k: written)
+    monkeypatch.setattr(convert_4bit, "summary", lambda out, steps, errors: f"wrote {out.name}: 0 projections")
+    exec_utils.NODE_ID = "11"
+    try:
+        (status,) = Qwen35Save4bit.execute("qwen.safetensors", "convrot_w4a4").args
+    finally:
+        exec_utils.NODE_ID = None
+    assert server.PromptServer.instance.texts[-1] == ("11", status)
+    first, rest = status.split("\n", 1)
+    assert first.startswith("Wrote qwen3.5_9b") and "convrot_w4a4" in first and "compare" in first
+    assert len(first) <= 80 and rest == f"wrote {written.name}: 0 projections"
