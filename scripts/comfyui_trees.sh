@@ -155,6 +155,12 @@ else
   python="$venv/bin/python"
 fi
 
+# pytest-xdist: each tree's test files run on two workers (scripts/test_comfyui.sh).
+if ! "$python" -c "import xdist" 2>/dev/null; then
+  "$python" -m pip install -q --disable-pip-version-check "pytest-xdist>=3.5" >&2 \
+    || echo "pytest-xdist could not be installed: each tree's tests run in one process" >&2
+fi
+
 # Playwright (the browser test's client) where Chromium is there to drive; without it the test skips.
 if command -v chromium >/dev/null 2>&1 && ! "$python" -c "import playwright" 2>/dev/null; then
   "$python" -m pip install -q --disable-pip-version-check playwright >&2 \

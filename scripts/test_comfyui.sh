@@ -33,6 +33,8 @@ main=$([[ " $labels " == *" 0.29.0 "* ]] && echo 0.29.0 || echo "$first")
 server="${QWEN35_FAST_SERVER_TREES:-$newest}"
 one_tree="${QWEN35_FAST_ONE_TREE:-$main}"
 [ "$server" = all ] && server="$labels"
+par=()  # a tree's test files on two workers, a file to a worker (its servers and fixtures stay together)
+"$python" -c "import xdist" 2>/dev/null && par=(-n 2 --dist loadfile)
 status=0
 while read -r kind label tree extra; do
   [ "$kind" = tree ] || continue
@@ -47,7 +49,7 @@ while read -r kind label tree extra; do
   echo "=== ComfyUI $label ($tree): ${files[*]}"
   start=$SECONDS
   if ! PYTHONPATH="$pp" QWEN35_FAST_COMFYUI="$tree" QWEN35_FAST_COMFYUI_PYTHON="$python" \
-      "$python" -m pytest -q ${select[@]+"${select[@]}"} "${files[@]}" "$@"; then
+      "$python" -m pytest -q ${par[@]+"${par[@]}"} ${select[@]+"${select[@]}"} "${files[@]}" "$@"; then
     status=1
   fi
   echo "=== ComfyUI $label: $((SECONDS - start)) s"
