@@ -10,6 +10,7 @@ from .modules import int8_head
 from .request import MTP_CHOICES, GenerationRequest, check_max_length, parse_mtp
 from .stack import build_runner
 from .standalone_loader import build_mtp_head, load_standalone
+from .thinking import ThinkingBudget
 
 __all__ = [
     "ATTENTION_CHOICES",
@@ -20,6 +21,7 @@ __all__ = [
     "Qwen35Binding",
     "Qwen35Config",
     "Qwen35Error",
+    "ThinkingBudget",
     "bind",
     "build_mtp_head",
     "build_runner",

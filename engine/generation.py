@@ -32,6 +32,7 @@ from .rope import RowPositions
 from .sampling import Sampler, to_device, token_ids
 from .speculative import catch_up, draft, draft_from, judge, settle
 from .stack import attention_backend, build_runner
+from .thinking import ThinkingBudget
 
 
 @dataclass
@@ -49,7 +50,9 @@ class GenerationStats:
     ``mtp_trace``: ``mtp="auto"``'s ``DepthController.trace()`` (wall time per depth, switches), or None;
     ``draft_vocab``: which ids the drafts ranked (``DraftVocab.describe``), None for all of them;
     ``attention_backend``: the decode-attention backend used; ``decode_path``: the runner's
-    (``stack.build_runner``: Triton kernels or module calls, CUDA graphs or not, and why).
+    (``stack.build_runner``: Triton kernels or module calls, CUDA graphs or not, and why);
+    ``thinking_tokens``: with a thinking budget, the tokens before the thinking block's end (None
+    without one); ``thinking_cut``: True where the budget closed the block.
     """
 
     tokens: int = 0
@@ -69,6 +72,8 @@ class GenerationStats:
     draft_vocab: str | None = None
     attention_backend: str = ""
     decode_path: str = ""
+    thinking_tokens: int | None = None
+    thinking_cut: bool = False
 
 
 @dataclass
@@ -90,7 +95,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
              callback: Callable[[list[int], list[int], GenerationStats], None] | None = None,
              mtp_draft: str | Callable[[int], int] = "argmax", cache_fill: float | None = None,
              cuda_graphs: bool | str = "auto", fused: bool | str = "auto",
-             weight_cast: Callable | None = None, weights=None, draft_vocab: str = "auto") -> GenerationResult:
+             weight_cast: Callable | None = None, weights=None, draft_vocab: str = "auto",
+             thinking_budget: ThinkingBudget | None = None) -> GenerationResult:
     """Generate up to ``max_length`` tokens after a prompt given as embeddings.
 
     embeds ``[T,H]`` or ``[1,T,H]`` float (batch 1), on the device to run on. ``position_ids``:
@@ -118,6 +124,9 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     (require them; on the CPU only under ``TRITON_INTERPRET=1``, for tests) or False.
     ``callback(all_tokens, new_tokens, stats)`` runs after every accepted step; if it
     raises, generation stops and the exception propagates (the model is untouched and reusable).
+    ``thinking_budget``: None, or ``ThinkingBudget(tokens, close, end)`` (``engine/thinking.py``): the prompt
+    opened a thinking block; when the first ``tokens`` tokens do not end it (``end``), the next ones are
+    ``close`` and the answer follows; the stats count the thinking tokens and say whether it was cut.
     ``cache_fill`` pre-fills every K/V slot (tests: NaN shows unfilled slots are never read).
     Without it the runner stack (cache, fused plan, CUDA graphs) is kept on the model for its next
     generation, which reuses it while the weights and settings stay (``engine/held.py``).
@@ -132,7 +141,8 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
         top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop_tokens=stop_tokens,
         min_tokens=min_tokens, presence_penalty=presence_penalty, initial_tokens=initial_tokens, mtp=mtp,
         position_ids=position_ids, attention=attention, execution_dtype=execution_dtype, mtp_draft=mtp_draft,
-        cache_fill=cache_fill, cuda_graphs=cuda_graphs, fused=fused, draft_vocab=draft_vocab)
+        cache_fill=cache_fill, cuda_graphs=cuda_graphs, fused=fused, draft_vocab=draft_vocab,
+        thinking_budget=thinking_budget)
     backend = attention_backend(req.attention, binding.config, req.dtype, req.device)
     keep = req.cache_fill is None
     runner = build_runner(binding, capacity=held.rounded_capacity(req.capacity) if keep else req.capacity,
@@ -142,11 +152,16 @@ def generate(module_or_binding, embeds: torch.Tensor, *, do_sample: bool = True,
     binding = runner.binding  # a kept stack's binding: the same modules
     sampler = Sampler(req.sampling, seed=req.seed, first_position=req.prompt_len, stop_tokens=req.stop_tokens,
                       min_tokens=req.min_tokens, initial_tokens=req.initial_tokens, device=req.device,
-                      mtp_draft=req.mtp_draft)
+                      mtp_draft=req.mtp_draft, thinking=req.thinking)
     stats = GenerationStats(mtp_depth=req.mtp_depth, attention_backend=backend,
                             decode_path=getattr(runner, "decode_path", ""))
     with torch.no_grad(), binding.holding_output_weight():
-        result = _run(binding, runner, sampler, stats, req, callback)
+        try:
+            result = _run(binding, runner, sampler, stats, req, callback)
+        finally:
+            if req.thinking.tokens:
+                stats.thinking_tokens = sampler.thinking.thinking_tokens(sampler.generated)
+                stats.thinking_cut = sampler.thinking.cut
         if keep:
             nbytes = runner.stack_bytes
             held.rest(runner, held.allocated(req.device) - runner.stack_base if nbytes is None else nbytes)
@@ -180,7 +195,9 @@ def _run(binding: Qwen35Binding, runner, sampler: Sampler, stats: GenerationStat
     if token in sampler.stops:
         return GenerationResult(list(sampler.generated), stats, "stop_token")
     if not req.mtp_depth:
-        stop, _ = _decode_ahead(binding, runner, sampler, positions, req.max_length, stats, report)
+        stop = "max_length"
+        while len(sampler.generated) < req.max_length and stop != "stop_token":  # paused at a thinking budget
+            stop, _ = _decode_ahead(binding, runner, sampler, positions, sampler.limit(req.max_length), stats, report)
         return GenerationResult(list(sampler.generated), stats, stop)
     if req.mtp_auto:
         key = (id(binding.transformer), id(binding.mtp), str(dtype), str(device), sampler.greedy,
@@ -238,7 +255,8 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
     clock = time.perf_counter()
     while len(sampler.generated) < max_length:
         length = cache.length
-        room = max_length - len(sampler.generated) - 1
+        limit = sampler.limit(max_length)  # max_length, or a thinking budget's pause
+        room = limit - len(sampler.generated) - 1
         control.room = room
         k = drafted.shape[0] if drafted is not None else min(control.choose(), room)
         if k == 0:
@@ -261,7 +279,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
             if not catch:
                 mtp_start = length
             catch.append((keep, binding.embed(token_ids(new, device), dtype, device)))
-            depth = min(control.shadow_depth(), max_length - len(sampler.generated) - 1)
+            depth = min(control.shadow_depth(), limit - len(sampler.generated) - 1)
             if depth > 0:  # the head catches up and drafts; the next segment's tokens score the drafts
                 probe = time.perf_counter()
                 hid, emb = (torch.cat(parts, dim=1) for parts in zip(*catch))
@@ -289,7 +307,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         logits = sampler.mask(logits[0], len(sampler.generated))
         verdict = judge(sampler, logits, drafts, pinned)
         ahead = None
-        if room > 1:  # the next cycle can draft: keep the MTP head in step with the verify's rows
+        if max_length - len(sampler.generated) > 2:  # a later cycle can draft: keep the MTP head in step
             ahead = catch_up(binding, runner, positions, pre if use_prenorm else hidden, verdict, length,
                              vocab=vocab.rows)
         new, accepted, pending_id = settle(verdict)
@@ -306,7 +324,7 @@ def _speculate(binding: Qwen35Binding, runner, sampler: Sampler, positions: RowP
         if ahead is not None:
             cache.mtp.commit(1 + accepted)  # the catch-up rows the verify kept
             mtp_start = length + 1 + accepted
-            k_next = min(control.choose(), max_length - len(sampler.generated) - 1)
+            k_next = min(control.choose(), sampler.limit(max_length) - len(sampler.generated) - 1)
             if stop_at is None and k_next > 0:
                 drafted = draft_from(binding, runner, sampler, positions, *ahead, length + 1 + accepted, k_next,
                                      vocab=vocab.rows)

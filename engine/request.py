@@ -20,6 +20,7 @@ from .draft_vocab import check_mode as check_draft_vocab
 from .errors import Qwen35Error
 from .rope import normalize_positions
 from .sampling_params import SamplingParams
+from .thinking import ThinkingBudget, as_budget
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class GenerationRequest:
     ``embeds`` ``[1,T,H]`` in the execution ``dtype``; ``positions`` int64 ``[3,T]`` (MRoPE ids of
     the prompt rows); ``mtp_depth`` 0 when MTP is off, else the fixed depth or, with ``mtp_auto``
     (``mtp="auto"`` on a model with a head), the deepest the controller may choose; ``draft_vocab``:
-    ``engine/draft_vocab.py``'s mode; ``capacity``: K/V slots the cache needs (prompt + max_length + depth + 1).
+    ``engine/draft_vocab.py``'s mode; ``thinking``: a checked ``ThinkingBudget`` (``tokens`` 0: none);
+    ``capacity``: K/V slots the cache needs (prompt + max_length + depth + 1).
     """
 
     embeds: torch.Tensor
@@ -118,6 +120,7 @@ class GenerationRequest:
     cuda_graphs: bool | str
     fused: bool | str
     cache_fill: float | None
+    thinking: ThinkingBudget = ThinkingBudget()
 
     @property
     def prompt_len(self) -> int:
@@ -136,7 +139,7 @@ class GenerationRequest:
               top_p=0.9, min_p=0.0, repetition_penalty=1.0, seed=42, stop_tokens: Sequence[int] | None = None,
               min_tokens=0, presence_penalty=0.0, initial_tokens: Sequence[int] = (), mtp="auto",
               position_ids=None, attention="auto", execution_dtype=None, mtp_draft="argmax", cache_fill=None,
-              cuda_graphs="auto", fused="auto", draft_vocab="auto") -> GenerationRequest:
+              cuda_graphs="auto", fused="auto", draft_vocab="auto", thinking_budget=None) -> GenerationRequest:
         """The record for ``generate()``'s arguments (same names and defaults), or Qwen35Error."""
         cfg = binding.config
         embeds = _check_embeds(embeds, cfg.hidden_size)
@@ -148,6 +151,7 @@ class GenerationRequest:
         if not callable(mtp_draft) and mtp_draft not in ("argmax", "sample"):
             raise Qwen35Error(f"mtp_draft must be 'argmax' or 'sample', got {mtp_draft!r}")
         check_draft_vocab(draft_vocab)
+        thinking = as_budget(thinking_budget).checked(cfg.vocab_size)
         if cuda_graphs not in ("auto", True, False):
             raise Qwen35Error(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         if fused not in ("auto", True, False):
@@ -173,4 +177,4 @@ class GenerationRequest:
                    sampling=params, seed=check_seed(seed), stop_tokens=stops,
                    initial_tokens=initial, mtp_depth=depth, mtp_auto=auto,
                    mtp_draft=mtp_draft, draft_vocab=draft_vocab, attention=attention, dtype=dtype,
-                   cuda_graphs=cuda_graphs, fused=fused, cache_fill=cache_fill)
+                   cuda_graphs=cuda_graphs, fused=fused, cache_fill=cache_fill, thinking=thinking)

@@ -21,6 +21,7 @@ from .distribution import target_candidates
 from .draw import keyed_draw
 from .keyed_noise import row_keys
 from .sampling_params import SamplingParams
+from .thinking import ThinkingBudget, ThinkingLimit
 
 
 def to_device(tokens: list[int], device) -> torch.Tensor:
@@ -42,10 +43,11 @@ class Sampler:
     set (a bool mask on the device), the seed, stop tokens and ``min_tokens``. Kept off the model,
     so an interrupt leaves nothing behind. ``first_position``: the sequence position of the first
     generated token (the prompt's length); seed in ``[0, 2**64)``. ``mtp_draft`` is how drafts are
-    made (see ``speculative``)."""
+    made (see ``speculative``). ``thinking``: a checked ``ThinkingBudget``, whose forced close the
+    loops meet through ``limit``, ``masks`` and ``mask``."""
 
     def __init__(self, params: SamplingParams, *, seed: int, first_position: int, stop_tokens, min_tokens: int,
-                 initial_tokens, device, mtp_draft):
+                 initial_tokens, device, mtp_draft, thinking: ThinkingBudget = ThinkingBudget()):
         self.params = params
         self.greedy = params.greedy
         self.seed = int(seed)
@@ -57,6 +59,7 @@ class Sampler:
         self.generated: list[int] = []
         self.mtp_draft = mtp_draft
         self.device = device
+        self.thinking = ThinkingLimit(thinking)
         self.penalised = not self.greedy and (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0)
         self._initial = [int(t) for t in initial_tokens]
         # The tokens the penalties act on, bool [1, V] on the device, built at the first penalised
@@ -84,18 +87,25 @@ class Sampler:
             out[j + 1:].index_fill_(1, drafts[j:j + 1], True)
         return out
 
+    def limit(self, max_length: int) -> int:
+        """How many tokens the loops may generate before they ask again: ``max_length``, or the thinking
+        budget while its decision waits on the tokens before it (taken here once they are all generated)."""
+        return self.thinking.limit(self.generated, max_length)
+
     def masks(self, first_count: int) -> bool:
         """True when ``mask`` would change a row drawn at ``first_count`` generated tokens."""
-        return first_count < self.min_tokens and self.stop_ids.numel() > 0
+        return (first_count < self.min_tokens and self.stop_ids.numel() > 0) or \
+            self.thinking.forced(first_count) is not None
 
     def mask(self, logits: torch.Tensor, first_count: int) -> torch.Tensor:
-        """Forbid stop tokens on rows whose position is before ``min_tokens``. logits ``[N,V]``."""
+        """Forbid stop tokens on rows whose position is before ``min_tokens``, and keep only the forced id
+        on rows the thinking budget forces. logits ``[N,V]``, row i drawn after ``first_count + i`` tokens."""
         n = logits.shape[0]
         blocked = max(0, min(n, self.min_tokens - first_count))
         if blocked and self.stop_ids.numel():
             logits = logits.clone()
             logits[:blocked, self.stop_ids] = float("-inf")
-        return logits
+        return self.thinking.apply(logits, first_count)
 
     def draw_async(self, logits: torch.Tensor, count: int) -> torch.Tensor:
         """``draw`` without reading the token: int64 ``[1]`` on logits' device, no host sync (the

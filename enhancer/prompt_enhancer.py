@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from ..downloads import model_fetch
+from ..engine import ThinkingBudget
 from ..patches import clip_patch
 from ..patches import comfy_bridge as bridge
 from . import enhancer_images
@@ -29,6 +30,9 @@ PRESET_NAMES = (*PRESETS, "custom")
 OFFICIAL = "official"
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_LENGTH_LIMIT = 65536
+#: How the chat template closes a thinking block, and the token that ends it.
+THINK_CLOSE, THINK_END = "\n</think>\n\n", "</think>"
+_IM_START = "<|im_start|>"
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty")
 
@@ -119,11 +123,48 @@ def check_inputs(clip, prompt: str, images, max_length: int) -> bridge.Qwen35Tar
     return target
 
 
+def text_ids(clip, text: str) -> list[int]:
+    """``text``'s token ids as ComfyUI's Qwen3.5 tokenizer writes them, with no chat template (its
+    tokenizer leaves text that starts with ``<|im_start|>`` as it is; that first id is dropped).
+    ``Qwen35Unsupported`` where the ids do not decode back to ``text``."""
+    rows = next(iter(clip.tokenize(_IM_START + text).values()))
+    ids = [int(t[0]) for row in rows for t in row if isinstance(t[0], int)]
+    if ids and clip.decode(ids[:1], skip_special_tokens=False) == _IM_START:
+        ids = ids[1:]
+    if not ids or clip.decode(ids, skip_special_tokens=False) != text:
+        raise bridge.Qwen35Unsupported(f"ComfyUI's tokenizer does not write {text!r} as Qwen3.5's tokenizer does: "
+                                       "set thinking_budget to 0 or update ComfyUI.")
+    return ids
+
+
+def check_thinking_budget(tokens) -> int:
+    """``tokens`` (0: no limit), or ValueError naming the range (every backend)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_LENGTH_LIMIT:
+        raise ValueError(f"thinking_budget must be between 0 (no limit) and {MAX_LENGTH_LIMIT}, got {tokens!r}.")
+    return tokens
+
+
+def thinking_budget_of(clip, tokens: int):
+    """An ``engine.ThinkingBudget`` of ``tokens`` thinking tokens for this CLIP's tokenizer (``THINK_CLOSE``
+    written at the budget), or None for 0. ValueError naming the fix for a bad value."""
+    if not check_thinking_budget(tokens):
+        return None
+    close, end = text_ids(clip, THINK_CLOSE), text_ids(clip, THINK_END)
+    if len(end) != 1 or end[0] not in close:
+        raise bridge.Qwen35Unsupported(f"ComfyUI's tokenizer has no single {THINK_END} token: set thinking_budget "
+                                       "to 0 or update ComfyUI.")
+    return ThinkingBudget(tokens, tuple(close), end[0])
+
+
 def enhance(clip, prompt: str, *, system_prompt: str = OFFICIAL, images=None, preset: str = "text-to-image",
             custom: dict | None = None, max_length: int = 16256, seed: int = 0, mtp="auto",
-            attention: str = "auto", thinking: bool = True, megapixels: float = 1.0) -> EnhancerResult:
-    """Run the prompt enhancer; ``custom`` sampling values are used when ``preset == "custom"``."""
+            attention: str = "auto", thinking: bool = True, megapixels: float = 1.0,
+            thinking_budget: int = 0) -> EnhancerResult:
+    """Run the prompt enhancer; ``custom`` sampling values are used when ``preset == "custom"``.
+    ``thinking_budget``: 0 (no limit, official) or the thinking tokens after which the block is closed
+    and the answer follows (with ``thinking`` only)."""
     check_megapixels(megapixels)  # the size is computed after the generation: refuse a bad value before it
+    check_thinking_budget(thinking_budget)
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]
     image_list = enhancer_images.prepare_images(images or [])
@@ -136,7 +177,8 @@ def enhance(clip, prompt: str, *, system_prompt: str = OFFICIAL, images=None, pr
     if image_list and not bridge.has_images(tokens):
         raise bridge.Qwen35Unsupported("ComfyUI's tokenizer did not attach the images to the prompt: "
                                        "update ComfyUI to use images with Qwen3.5.")
-    patched = clip_patch.patch_clip(clip, mtp=mtp, attention=attention)
+    budget = thinking_budget_of(clip, thinking_budget) if thinking else None
+    patched = clip_patch.patch_clip(clip, mtp=mtp, attention=attention, thinking_budget=budget)
     ids = patched.generate(tokens, do_sample=True, max_length=max_length, temperature=settings["temperature"],
                            top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"],
                            repetition_penalty=1.0, seed=seed, presence_penalty=settings["presence_penalty"])

@@ -9,6 +9,9 @@ from ..enhancer.prompt_enhancer import MAX_LENGTH_LIMIT, OFFICIAL, PRESET_NAMES,
 from ..patches.comfy_bridge import ATTENTION_CHOICES, MTP_CHOICES
 
 CUSTOM_ONLY = "Used only with preset 'custom'; the other presets ignore it and use the official value: "
+THINKING_BUDGET_TIP = ("0: think as long as the model wants (official). Else after this many thinking tokens "
+                       "the thinking is closed and the answer follows: less time, maybe a plainer prompt. "
+                       "Used with thinking on.")
 
 
 class Qwen35PromptEnhancer(io.ComfyNode):
@@ -66,6 +69,9 @@ class Qwen35PromptEnhancer(io.ComfyNode):
                                tooltip=CUSTOM_ONLY + "1.5 text-to-image, 0 edit."),
                 io.Combo.Input("attention", options=list(ATTENTION_CHOICES), default="auto", optional=True,
                                advanced=True, tooltip="Decode attention backend."),
+                # Last, so saved workflows (their widgets_values by position) load unchanged.
+                io.Int.Input("thinking_budget", default=0, min=0, max=MAX_LENGTH_LIMIT, optional=True,
+                             tooltip=THINKING_BUDGET_TIP),
             ],
             outputs=[
                 io.String.Output(display_name="rewritten_prompt"),
@@ -83,12 +89,12 @@ class Qwen35PromptEnhancer(io.ComfyNode):
     @classmethod
     def execute(cls, clip, prompt, system_prompt, preset, max_length, seed, mtp, thinking, megapixels,
                 temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5,
-                attention="auto", **images) -> io.NodeOutput:
+                attention="auto", thinking_budget=0, **images) -> io.NodeOutput:
         custom = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       presence_penalty=presence_penalty)
         ordered = [images.get(f"image{k}") for k in range(1, MAX_IMAGES + 1)]
         r = enhance(clip, prompt, system_prompt=system_prompt, images=ordered, preset=preset, custom=custom,
                     max_length=max_length, seed=seed, mtp=mtp, attention=attention, thinking=thinking,
-                    megapixels=megapixels)
+                    megapixels=megapixels, thinking_budget=thinking_budget)
         return io.NodeOutput(r.rewritten_prompt, r.thinking, r.wh_ratio, r.ratio_follow, r.width, r.height,
                              r.parse_ok)

@@ -34,18 +34,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PatchSettings:
-    """What the patch node chose: MTP depth ("auto"/"off"/1..5) and attention backend."""
+    """What the patch node (or the enhancer) chose: MTP depth ("auto"/"off"/1..5), attention backend, and
+    a thinking budget (``engine.ThinkingBudget``, None: none) that core's ``generate`` cannot carry."""
 
     mtp: str | int = "auto"
     attention: str = "auto"
+    thinking_budget: object = None
 
     def checked(self) -> PatchSettings:
-        """Validated copy (ValueError naming the bad option)."""
+        """Validated copy (ValueError naming the bad option; the budget is checked by the engine)."""
         mtp = bridge.parse_mtp(self.mtp)
         if self.attention not in bridge.ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {', '.join(bridge.ATTENTION_CHOICES)}; "
                              f"got {self.attention!r}")
-        return PatchSettings(mtp, self.attention)
+        return PatchSettings(mtp, self.attention, self.thinking_budget)
 
 
 def _decoder(tokenizer):
@@ -79,6 +81,7 @@ class _EngineGenerate:
         _refuse_unknown(self.entry, caller_kwargs)
         tokens = bridge.run_engine(
             self.target, embeds, mtp=mtp, attention=self.settings.attention, position_ids=position_ids,
+            thinking_budget=self.settings.thinking_budget,
             decode=_decoder(self.tokenizer), label="Qwen3.5 length-aware generate", **sampling)
         if self.report_to is not None and self.report_to[0] != bridge.executing_node_id():
             node_id, status = self.report_to
@@ -206,15 +209,16 @@ def patch_status(clip, mtp: str) -> str:
     return f"MTP {mtp}; length-aware decode on."
 
 
-def patch_clip(clip, *, mtp="auto", attention="auto"):
+def patch_clip(clip, *, mtp="auto", attention="auto", thinking_budget=None):
     """Return a clone of ``clip`` whose Qwen3.5 ``generate`` runs on the engine; ``clip`` is untouched.
+    ``thinking_budget``: None or an ``engine.ThinkingBudget`` every generation on the clone keeps.
 
     For a CLIP ComfyUI loaded with DynamicVRAM (weights streamed in per call) the clone is of ComfyUI's
     resident reload of it, made once per model (``comfy_weights.resident_clip``), where the model fits
     whole on the GPU. Raises ``Qwen35Unsupported`` (a ValueError) before cloning when ``clip`` is not
     Qwen3.5 or its internals are unknown, and ValueError for a bad option.
     """
-    settings = PatchSettings(mtp, attention).checked()
+    settings = PatchSettings(mtp, attention, thinking_budget).checked()
     target = bridge.find_qwen35(clip)
     for obj, name in ((target.clip_model, "generate"), (target.transformer, "generate")):
         if not callable(getattr(obj, name, None)):

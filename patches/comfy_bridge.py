@@ -344,7 +344,7 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
                top_k: int, top_p: float, min_p: float, repetition_penalty: float, seed, presence_penalty: float,
                mtp="auto", attention: str = "auto", position_ids=None, stop_tokens=None, initial_tokens=(),
                min_tokens: int = 0, execution_dtype=None, decode=None, label: str = "Qwen3.5",
-               mtp_draft="argmax", draft_vocab="auto") -> TokenList:
+               mtp_draft="argmax", draft_vocab="auto", thinking_budget=None) -> TokenList:
     """Generate with the engine on ComfyUI's loaded Qwen3.5, with progress/Cancel/preview and a log line.
 
     Arguments follow core ``BaseGenerate.generate``; ``seed=None`` (core's greedy call) means 0.
@@ -352,7 +352,8 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
     (``comfy_weights.make_resident``; a DynamicVRAM CLIP is made resident by ``patch_clip``), and
     its weights are read in place by the decode kernels where they can be
     (``comfy_weights.Resolver``). ``mtp_draft``, ``draft_vocab``: see ``engine.generate``
-    (benchmarks). Returns the token ids as a ``TokenList`` carrying the engine stats.
+    (benchmarks); ``thinking_budget``: None or an ``engine.ThinkingBudget``. Returns the token ids as a
+    ``TokenList`` carrying the engine stats.
     """
     check_max_length(max_length)
     if stop_tokens is None:
@@ -368,7 +369,7 @@ def run_engine(target: Qwen35Target, embeds, *, do_sample: bool, max_length: int
         stop_tokens=list(stop_tokens), min_tokens=int(min_tokens), presence_penalty=float(presence_penalty or 0.0),
         initial_tokens=list(initial_tokens or ()), mtp=parse_mtp(mtp), position_ids=position_ids,
         attention=attention, execution_dtype=execution_dtype, callback=progress, weight_cast=comfy_weight_cast,
-        weights=WEIGHTS, mtp_draft=mtp_draft, draft_vocab=draft_vocab)
+        weights=WEIGHTS, mtp_draft=mtp_draft, draft_vocab=draft_vocab, thinking_budget=thinking_budget)
     tokens = TokenList(result.tokens)
     tokens.stats = result.stats
     tokens.stop_reason = getattr(result, "stop_reason", None)

@@ -42,8 +42,14 @@ def _mtp_short(stats) -> str:
 
 
 def summary(stats) -> str:
-    """One short line: tokens, tok/s, the MTP depth and the share of drafts accepted."""
-    return f"{stats.tokens} tokens, {stats.tok_per_s:.1f} tok/s, {_mtp_short(stats)}"
+    """One short line: tokens, tok/s, the MTP depth and the share of drafts accepted; with a thinking
+    budget, the thinking tokens and whether the budget ended them."""
+    line = f"{stats.tokens} tokens, {stats.tok_per_s:.1f} tok/s, {_mtp_short(stats)}"
+    thought = getattr(stats, "thinking_tokens", None)
+    if thought is not None:
+        line += f"; thinking {thought} tokens" + (", ended by the budget" if getattr(stats, "thinking_cut", False)
+                                                   else "")
+    return line
 
 
 def format_mtp(stats) -> str:

@@ -61,7 +61,7 @@ WIDGETS = {
     "Qwen35FastCLIPLoader": ["clip_name", "mtp_head", "device"],
     "Qwen35FastPromptEnhancer": ["prompt", "system_prompt", "preset", "max_length", "seed", "+control", "mtp",
                                  "thinking", "megapixels", "temperature", "top_k", "top_p", "min_p",
-                                 "presence_penalty", "attention"],
+                                 "presence_penalty", "attention", "thinking_budget"],
     "Qwen35FastPromptEnhancerServer": ["base_url", "model", "api", "api_key_env", "max_concurrent", "timeout_s",
                                        "prompt", "system_prompt", "preset", "max_length", "seed", "+control",
                                        "thinking", "megapixels", "temperature", "top_k", "top_p", "min_p",
@@ -221,7 +221,8 @@ def to_api(graph: Graph, keep: set[int] | None = None) -> dict:
 
 
 PE_COMMON = dict(system_prompt=SYSTEM_HINT, seed=42, mtp="auto", thinking=True, megapixels=1.0,
-                 temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5, attention="auto")
+                 temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, presence_penalty=1.5, attention="auto",
+                 thinking_budget=0)
 
 
 def _image_half(g: Graph, pe: int, x: int, edit_image: int | None = None):
@@ -290,7 +291,7 @@ SERVER_COMMON = dict(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen-Image
 def text_to_image_server() -> Graph:
     """pe_text_to_image with the server enhancer in the local one's place (same output slots 0-6)."""
     g = Graph()
-    common = {k: v for k, v in PE_COMMON.items() if k not in ("mtp", "attention")}
+    common = {k: v for k, v in PE_COMMON.items() if k not in ("mtp", "attention", "thinking_budget")}
     g.add(2, "Qwen35FastPromptEnhancerServer", (400, 0), prompt=T2I_PROMPT, preset="text-to-image",
           max_length=16256, **SERVER_COMMON, **common)
     g.add(3, "PreviewAny", (800, 0), title="Rewritten prompt")

@@ -17,7 +17,8 @@
 # int8 / bf16), acc8s (int8 `--accept` at P 0, 0.3, 0.5, 0.7 only), loop16 / loop24 (`loop_run.py`, the 9B
 # int8 file at a 16 / 24 GB budget, ComfyUI's own moves then the pack's: 3 prompts of 2000 / 500 tokens),
 # loop4 (the same, convrot_w4a4, 16 GB, 500 tokens), loopnt (int8, 16 GB, 500 tokens, Triton hidden),
-# tests65 (the GPU test of the loop at 0.8B, with and without Triton).
+# tests65 (the GPU test of the loop at 0.8B, with and without Triton), think (the GPU test of the thinking budget:
+# fused kernels and graphs against the torch path).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=.gpu
@@ -85,8 +86,10 @@ for s in "$@"; do
       done ;;
     tests65) step gpu_tests65 240 env QWEN35_FAST_COMFYUI="$TREE" python3 -m pytest -q -x -p no:cacheprovider -m gpu \
                tests/comfyui/test_comfyui_gpu.py -k loop_run ;;
+    think) step gpu_think 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/engine/test_engine_graphs.py \
+             -k thinking_budget ;;
     *) echo "unknown step $s (steps: tests tests4 tiles e2e4 e2e4r acc8 acc8s acc16 loop16 loop24 loop4 loopnt" \
-            "tests65)"; exit 2 ;;
+            "tests65 think)"; exit 2 ;;
   esac
 done
 echo "== done, $(left) s left"

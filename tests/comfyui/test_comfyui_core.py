@@ -340,3 +340,24 @@ def test_kept_stack_follows_comfys_unload(comfy):
     after = patched.generate(tokens, do_sample=False, max_length=STEPS)
     assert "kept" not in after.stats.decode_path and list(after) == list(first)
     held.release_all()
+
+
+def test_the_enhancers_thinking_budget_on_comfyuis_tokenizer(comfy):
+    """ComfyUI's own Qwen3.5 tokenizer writes "\\n</think>\\n\\n" as three ids around the </think> token, and
+    the enhancer with thinking_budget 3 (greedy through the custom preset, the random 0.8B, which never
+    closes its thinking itself) gives its first 3 tokens, that close, then the answer: thinking_tokens 4
+    (the close's newline is still inside the block), cut by the budget; the text the enhancer parses has
+    the block closed where the budget closed it."""
+    from qwen35_fast.enhancer import prompt_enhancer as pe
+
+    clip = _core_load(comfy, checkpoint("bf16"))
+    close = pe.text_ids(clip, pe.THINK_CLOSE)
+    assert len(close) == 3 and close[1] == 248069 and clip.decode(close, skip_special_tokens=False) == pe.THINK_CLOSE
+    greedy = dict(temperature=0.0, top_k=1, top_p=1.0, min_p=0.0, presence_penalty=0.0)
+    kw = dict(system_prompt="SYS", preset="custom", custom=greedy, max_length=9, seed=1, mtp="off")
+    free = pe.enhance(clip, PROMPT, **kw)
+    assert "</think>" not in free.text and free.stats.thinking_tokens is None
+    cut = pe.enhance(clip, PROMPT, thinking_budget=3, **kw)
+    assert (cut.stats.thinking_tokens, cut.stats.thinking_cut, cut.stats.tokens) == (4, True, 9)
+    head, _, tail = cut.text.partition(pe.THINK_CLOSE)
+    assert free.text.startswith(head) and head != free.text and tail, cut.text

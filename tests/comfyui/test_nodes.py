@@ -452,6 +452,36 @@ def test_enhancer_budget_ends_while_thinking_falls_back_to_user_prompt(scripted,
     assert any("still thinking" in text for _, text in server.PromptServer.instance.texts)
 
 
+def test_enhancer_thinking_budget_reaches_the_engine_with_the_tokenizers_close(scripted, monkeypatch):
+    """thinking_budget N: the engine gets ThinkingBudget(N, ids of "\\n</think>\\n\\n" from the CLIP's own
+    tokenizer, the </think> id); 0 or thinking off: none; out of range: refused before any generation. The
+    node's first line names the thinking tokens and the cut."""
+    from qwen35_fast.engine import ThinkingBudget
+
+    eng = scripted(ANSWER)
+    run_pe(FakeCLIP(), thinking_budget=50)
+    assert eng.calls[-1]["thinking_budget"] == ThinkingBudget(50, tuple(encode("\n</think>\n\n")), 248069)
+    assert encode("\n</think>\n\n") == [ord("\n") + 10, 248069, ord("\n") + 10, ord("\n") + 10]
+    run_pe(FakeCLIP(), thinking_budget=0)
+    run_pe(FakeCLIP(), thinking_budget=50, thinking=False)
+    assert [c["thinking_budget"] for c in eng.calls[-2:]] == [None, None]
+    calls = len(eng.calls)
+    for bad in (-1, prompt_enhancer.MAX_LENGTH_LIMIT + 1, 2.5):
+        with pytest.raises(ValueError, match="thinking_budget must be between 0"):
+            run_pe(FakeCLIP(), thinking_budget=bad)
+    assert len(eng.calls) == calls
+
+    def cut(module, embeds, **kw):
+        res = eng(module, embeds, **kw)
+        res.stats.thinking_tokens, res.stats.thinking_cut = 50, True
+        return res
+    monkeypatch.setattr(bridge, "generate", cut)
+    exec_utils.NODE_ID = "7"
+    run_pe(FakeCLIP(), thinking_budget=50)
+    first = server.PromptServer.instance.texts[-1][1].split("\n")[0]
+    assert first.endswith("; thinking 50 tokens, ended by the budget"), first
+
+
 def with_mtp_stats(eng):
     """``eng`` (a ScriptedEngine) whose results report MTP depth 2 with 7 of 10 drafts accepted."""
     def run(module, embeds, **kw):

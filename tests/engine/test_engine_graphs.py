@@ -466,3 +466,32 @@ def test_subset_drafts_in_graphs(tmp_path, dtype, test_seed, monkeypatch):
         assert seen and max(seen) < 37, (graphs, sorted(set(seen)))
     kinds = {key[0] for key in getattr(captured[-1], "_graphs", {})}
     assert {"mtp+logits/37", "mtp+row/37"} <= kinds, kinds
+
+
+@gpu
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_thinking_budget_gives_the_torch_paths_tokens_gpu(tmp_path, test_seed, monkeypatch, sampled):
+    """float32 on the GPU with a thinking budget of 20 (close ids the model does not write itself): the
+    fused kernels with and without graphs give the torch path's tokens MTP off, at depth 3 and under
+    ``mtp="auto"`` switching depths, and the budget cut the thinking in every run."""
+    from qwen35_fast.engine import ThinkingBudget, generation
+
+    from tests.engine.test_mtp_auto import StandIn
+
+    monkeypatch.setattr(generation, "cycle_costs", lambda key, max_depth: StandIn(0.2))
+    seed = test_seed % 1000
+    model, d = _model(tmp_path, seed, "cuda")
+    prompt = torch.randn(1, 19, d["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    sampling = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, presence_penalty=1.5, seed=seed) \
+        if sampled else dict(do_sample=False)
+    free = generate(model, prompt, max_length=40, stop_tokens=[], mtp="off", fused=False, cuda_graphs=False,
+                    **sampling)
+    end = next(t for t in range(d["vocab_size"]) if t not in free.tokens)
+    budget = ThinkingBudget(20, ((end + 1) % d["vocab_size"], end), end)
+    for mtp in ("off", 3, "auto"):
+        kw = dict(max_length=40, stop_tokens=[], mtp=mtp, thinking_budget=budget, **sampling)
+        plain = generate(model, prompt, fused=False, cuda_graphs=False, **kw)
+        assert plain.tokens[20:22] == list(budget.close) and plain.stats.thinking_cut
+        for graphs in (False, True):
+            fused = generate(model, prompt, fused=True, cuda_graphs=graphs, **kw)
+            assert fused.tokens == plain.tokens, (mtp, graphs, seed)
