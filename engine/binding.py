@@ -31,6 +31,7 @@ _LINEAR_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d",
                  "out_proj")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 _MTP_PARTS = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", "layers")
 
 
@@ -185,7 +186,7 @@ def _check_layers(layers, config: Qwen35Config) -> None:
     if len(layers) != config.num_hidden_layers:
         raise Qwen35Error(f"module tree has {len(layers)} layers but its config says {config.num_hidden_layers}")
     for i, (layer, kind) in enumerate(zip(layers, config.layer_types)):
-        miss = _missing(layer, _LAYER_PARTS)
+        miss = _missing(layer, _LAYER_PARTS) or [f"mlp.{n}" for n in _missing(layer.mlp, _MLP_PARTS)]
         if kind == "linear_attention":
             sub = getattr(layer, "linear_attn", None)
             miss += ["linear_attn"] if sub is None else [f"linear_attn.{n}" for n in _missing(sub, _LINEAR_PARTS)]
@@ -202,7 +203,9 @@ def _check_mtp(head: Any, config: Qwen35Config) -> None:
         layers = list(head.layers)
         if len(layers) != 1:
             raise Qwen35Error(f"MTP head has {len(layers)} layers; this engine supports exactly 1 (Qwen3.5)")
-        miss = [f"layers.0.{n}" for n in _missing(layers[0], _LAYER_PARTS + ("self_attn",))]
+        miss = [f"layers.0.{n}" for n in _missing(layers[0], _LAYER_PARTS + ("self_attn",))] or \
+            [f"layers.0.mlp.{n}" for n in _missing(layers[0].mlp, _MLP_PARTS)] + \
+            [f"layers.0.self_attn.{n}" for n in _missing(layers[0].self_attn, _ATTN_PARTS)]
     if miss:
         raise Qwen35Error(f"MTP head lacks {miss}; build it with engine.build_mtp_head(tensors, config)")
     w = getattr(head.fc, "weight", None)

@@ -120,6 +120,25 @@ def test_bind_rejects_other_trees(model):
         layer.linear_attn.in_proj_z = saved
 
 
+@pytest.mark.parametrize("where", ["layers", "mtp"])
+def test_bind_names_a_merged_gate_up_mlp(model, where):
+    """An MLP whose gate and up projections are one module (``gate_up_proj``, as some trees write it) is
+    refused when binding, the missing parts named, in a decoder layer and in the MTP head's layer."""
+    m, _ = model
+    layer = m.model.layers[1] if where == "layers" else bind(m).mtp.layers[0]
+    mlp = layer.mlp
+    merged = torch.nn.Module()
+    merged.gate_up_proj, merged.down_proj = torch.nn.Linear(4, 8), mlp.down_proj
+    layer.mlp = merged
+    try:
+        named = r"lacks \['(layers\.0\.)?mlp\.gate_proj', '(layers\.0\.)?mlp\.up_proj'\]"
+        with pytest.raises(Qwen35Error, match=named):
+            bind(m)
+    finally:
+        layer.mlp = mlp
+    bind(m)
+
+
 def test_bad_requests(model):
     m, d = model
     h = d["hidden_size"]
