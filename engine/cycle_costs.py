@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import deque
 from statistics import median
 
-#: each draft adds about a fifth of a plain step (H100, 9B int8: depth 3 took 1.58 plain steps)
+#: each draft adds about a fifth of a plain step (measured: benchmarks/CHANGELOG.md)
 PRIOR_SLOPE = 0.2
 #: shadow probes and first-cycle overheads kept
 WINDOW = 9

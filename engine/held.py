@@ -1,9 +1,8 @@
 """The runner stack kept between generations: the last generation's cache, runner, fused plan and
 CUDA graphs, reused by the next generation of the same model when nothing they read has moved.
 
-Capturing a step's CUDA graph costs about 70-75 ms for the 9B on an H100; a 300-token answer takes
-under a second, so a stack built per generation spends a tenth of it capturing. ``take`` gives the
-kept stack back when:
+Capturing a step's CUDA graphs costs a sizable share of a short answer's time (measured:
+``benchmarks/CHANGELOG.md``), so the stack is kept. ``take`` gives the kept stack back when:
 
 * the request matches (``stack_key``: dtype, device, attention, fused / graph settings, the
   model's modules and weight hooks, inference mode), the kept cache has room (``capacity`` at least the

@@ -15,19 +15,16 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   depth that took at most ``OUTLIER`` times their median (a capture or a pause is not a cost),
   kept per process and model shape (``cycle_costs``) so a later generation starts from the last
   one's (``engine/cycle_costs.py``). The mean: cycles that kept drafts take longer than those
-  that kept none, and a median follows whichever group the last few fell in (H100, 30% kept:
-  4.66 ms for a 4.49 ms mean). A depth not yet timed is estimated from a line through the timed
-  ones, or, with one timed depth, from ``PRIOR_SLOPE`` (each draft adds about a fifth of a plain
-  step: a depth-3 cycle took 1.58 plain steps on an H100, 9B int8 file, 707.8 tok/s with every
-  draft kept against 279.6 without MTP).
-* **Start**: at depth 1, never plain: a depth-1 cycle whose draft is rejected costs about a quarter
-  of a plain step more than a plain step (H100, 9B int8) and observes the acceptance every cycle,
-  where plain steps observe it once a segment (started plain, P = 0.3 and 0.5 stayed plain where
-  depth 1 and 2 were 8% and 27% faster). Drafts kept take it deeper within a few cycles (an
-  unreached position is assumed as good as the one before it).
+  that kept none, and a median follows whichever group the last few fell in. A depth not yet
+  timed is estimated from a line through the timed ones, or, with one timed depth, from
+  ``PRIOR_SLOPE`` (each draft adding a fixed share of a plain step).
+* **Start**: at depth 1, never plain: a depth-1 cycle whose draft is rejected costs little more
+  than a plain step and observes the acceptance every cycle, where plain steps observe it once a
+  segment (a start at depth 0 stayed plain where drafting paid). Drafts kept take it deeper within
+  a few cycles (an unreached position is assumed as good as the one before it).
 * **Capture cost**: the first cycle at a depth captures that depth's CUDA graphs unless the
-  stack kept from the last generation has them (``ready``, ``engine/held.py``): about 75 ms for
-  the 9B verify step on an H100, some 20 plain steps. ``CycleCosts.capture()`` is the smallest
+  stack kept from the last generation has them (``ready``, ``engine/held.py``): tens of plain
+  steps. ``CycleCosts.capture()`` is the smallest
   such overhead seen (a first cycle's wall time over the depth's estimate; ``CAPTURE_STEPS``
   plain steps before one is seen). A depth without graphs is switched to only when the time it
   saves over the expected rest of the generation exceeds that cost: ``HORIZON_MIN`` tokens, or
@@ -36,9 +33,8 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
 * **Switching**: to the best depth when it is ``HYSTERESIS`` better than the current one (for a
   depth not yet run, also worth its capture). From drafting to plain steps only when plain steps
   beat every depth even at the acceptance's upper bound (``upper``, ``LEAVE_Z`` standard errors up):
-  plain segments observe the acceptance once a probe, so leaving on a dip of the estimate lasts
-  (H100, sampled, 35% kept: depth 1 4% ahead of plain steps, a generation that left it stayed plain
-  at 0.95x the best depth); drafts never kept still leave within a few cycles. At depth 0 the
+  plain segments observe the acceptance once a probe, so leaving on a dip of the estimate lasts;
+  drafts never kept still leave within a few cycles. At depth 0 the
   controller asks for a plain segment of ``segment_length()`` tokens; after it, ``shadow_depth()``
   drafts are made by the MTP head (no verify step, so no verify graph to capture) and compared with
   the next segment's first tokens: the verify keeps a draft exactly when it equals the model's token
@@ -46,14 +42,15 @@ is accepted once drafts 1..i-1 were; it costs ``c_k`` seconds; depth 0 is a plai
   decision the verify would have made. A shadow probe with no draft kept doubles the segment (up to
   ``MAX_SEGMENT``), a kept one resets it to the shortest segment, ``FIRST_SEGMENT`` tokens or as
   many as keep the probes' wall time (``CycleCosts.probe``, the median of the last ones) within
-  ``PROBE_SHARE`` of the plain steps' (H100: a segment of 32 after each kept probe, 30% kept, stayed
-  plain at 0.90x MTP off). A probe whose drafts were all kept returns to depth 1, whose cycles
+  ``PROBE_SHARE`` of the plain steps' (a probe after every short segment kept a generation plain
+  while drafting paid). A probe whose drafts were all kept returns to depth 1, whose cycles
   observe the acceptance every time (the text may have become predictable). Every ``DEEPER_EVERY``
   cycles at depth k < max whose last drafts are mostly kept, one cycle runs at k + 1 when that is
   worth its capture (its cost is then timed, not guessed).
 
 The choice depends on past acceptance and wall times only and never changes a token: each is the
 model's own at its position (``speculative``), so the text is that of MTP off and of any fixed depth.
+The measurements behind these rules are in ``benchmarks/CHANGELOG.md``.
 """
 
 from __future__ import annotations

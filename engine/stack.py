@@ -148,7 +148,7 @@ def build_runner(binding: Qwen35Binding, *, capacity: int, dtype: torch.dtype, d
     if plan is not None:
         pdl = pdl_reason(device)
         if pdl is not None and pdl == triton_pdl_reason():  # a Hopper+ GPU whose Triton cannot overlap
-            say_once(log, f"Qwen3.5 decode kernels launch one after another (1-3% slower on an H200): {pdl}; "
+            say_once(log, f"Qwen3.5 decode kernels launch one after another, a little slower: {pdl}; "
                           "install Triton 3.4 or newer")
         overlap = "on" if pdl is None else f"off ({pdl})"
         log.info("Qwen3.5 decode path: fused kernels, %s, CUDA graphs %s, overlapped launches %s, attention '%s'",

@@ -318,7 +318,7 @@ def _picked(n: int, k: int, quant: bool, rows: int, x: torch.Tensor, weights: in
     cfg = launch.gemv(n, k, quant, rows, x.device, weights=weights, x_bytes=x.element_size())[0]
     if len(cfg) > 4 and cfg[4] > 1 and SLICES_REASON is not None:
         say_once(log, f"gemv: {SLICES_REASON}; the DeltaNet inputs and attention q/k/v run with unsliced tiles "
-                      "(1.5% slower in the 9B int8 step on an H200): update Triton (it comes with torch 2.7+)")
+                      "(a little slower): update Triton (it comes with torch 2.7+)")
         return (cfg[0], 128, cfg[2], 5) if n >= 11264 else (cfg[0], 256, cfg[2], 4)
     return cfg
 

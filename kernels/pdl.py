@@ -16,15 +16,8 @@ The protocol every kernel compiled with ``PDL=True`` follows:
 * the GEMV: wait, then let the next kernel launch (so a product's programs never queue ahead of
   the one streaming); its weights stream evict-first.
 
-Measured on an H200 (``benchmarks/comfy_e2e.py``, 9B, rows pack against pack-plain): int8 +3.7%,
-bf16 -1.0% in the latest full run (+3.1% and +0.8% in the run before); int8 +4% before the decode
-loop ran ahead of the host. A GEMV that also asked L2 for its first weight lines before its wait
-gained nothing (1 KB per row) or lost 10% (whole rows), and one that loaded its first weight tile
-into registers before the wait lost 1.3% (both removed), though pure-read kernels gain 3% that way
-(``benchmarks/read_chain.py``). One that filled its whole pipeline's first weight tiles into shared
-memory before the wait, with x loaded after it in each pass of the tile loop (so Triton's pipeliner
-could not issue x ahead of the wait), ran the 9B step 16% slower in int8 (287.3 against 340.3
-tok/s) and 22% in bf16 (removed; ``benchmarks/README.md``). What does gain: the product before
+No GEMV touches its weights before its wait: prefetching or preloading them there did not pay
+(the measurements: ``benchmarks/CHANGELOG.md``, ``benchmarks/README.md``). What does: the product
 asking L2 for the next one's weight once its own result is stored (``gemv_group(prefetch=)``).
 
 ``launch_args(device)`` gives the launch keywords (``PDL`` and ``launch_pdl``) that

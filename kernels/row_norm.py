@@ -8,11 +8,8 @@ its own columns): no program reads the whole row. The product that reads z
 accumulator, before its output is rounded. ``RowNorm`` carries those partials; ``factor`` computes
 the factor in torch for a consumer that is not the GEMV.
 
-Measured on an H200 at the 9B shape (``benchmarks/norm.py``, chained, 1 row): the norm 2.93 ->
-2.36 us with the int8 ConvRot rotation, 2.29 -> 0.89 without; in the whole decode step
-(``benchmarks/comfy_e2e.py``) bf16 216.5 -> 218.4 tok/s, int8 320.1 -> 320.4 / 320.7 (the GEMV's
-extra load costs about what the norm saves there). The GEMV loads the partial sums before its
-weight stream: loaded after it, int8 ran at 299.6 tok/s against 317.2.
+The GEMV loads the partial sums before its weight stream (after it, the step was slower; the
+measurements: ``benchmarks/CHANGELOG.md``, ``benchmarks/norm.py``).
 """
 
 from __future__ import annotations
