@@ -11,7 +11,9 @@
 # three; "all" = every tree). QWEN35_FAST_TREES limits the trees (e.g. "0.29.0 v5cache"). Tests marked
 # one_tree (the pack's own kernels under the Triton interpreter, minutes each, the same on every tree)
 # run on the tree named by QWEN35_FAST_ONE_TREE (default 0.29.0, else the first tree; "all" = every
-# tree), as do the OpenAI-server and browser tests. Extra arguments go to every pytest run.
+# tree), as do the OpenAI-server and browser tests. Tests marked kitchen (quantized weights through
+# ComfyUI's ops) run on 0.29.0 and on trees that bring their own comfy-kitchen (v5cache), not on a tree
+# whose ops and comfy-kitchen are 0.29.0's (v3bias). Extra arguments go to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/cache_env.sh
@@ -44,8 +46,16 @@ while read -r kind label tree extra; do
   [[ " $server " == *" $label "* ]] && files+=(tests/comfyui/test_comfyui_integration.py)
   # one transformers serve, reused; the real frontend in Chromium (skipped without it)
   [ "$label" = "$main" ] && files+=(tests/comfyui/test_pe_server.py tests/comfyui/test_frontend_browser.py)
+  expr=""
+  if [ "$one_tree" = all ] || [ "$one_tree" = "$label" ]; then
+    files+=(tests/comfyui/test_engine_comfyui_4bit.py)  # one_tree only: the 4-bit kernels interpreted
+  else
+    expr="not one_tree"
+  fi
+  # quantized weights through ComfyUI's ops: on the main tree and on trees with a comfy-kitchen of their own
+  [ "$label" = "$main" ] || [ "$extra" != - ] || expr="${expr:+$expr and }not kitchen"
   select=()
-  [ "$one_tree" = all ] || [ "$one_tree" = "$label" ] || select=(-m "not one_tree")
+  [ -n "$expr" ] && select=(-m "$expr")
   echo "=== ComfyUI $label ($tree): ${files[*]}"
   start=$SECONDS
   if ! PYTHONPATH="$pp" QWEN35_FAST_COMFYUI="$tree" QWEN35_FAST_COMFYUI_PYTHON="$python" \

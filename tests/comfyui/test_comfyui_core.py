@@ -152,7 +152,8 @@ def _assert_cache_free_agrees(logits, tokens, exact: bool):
 # tests
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.kitchen) if k.startswith("int8") else k
+                                  for k in KINDS])
 def test_load_patch_greedy_mtp(comfy, kind):
     """One load per file: greedy through the patch equals core's ``generate`` and a cache-free forward;
     with ``mtp.*`` the pack's loader keeps one head (core's where core built it) and MTP drafts with it."""
