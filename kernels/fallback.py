@@ -11,14 +11,12 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   tiles down to 64, then 2 stages.
 * 4-bit GEMV tile (``gemv4_config``): 256 weight columns per K tile (nvfp4: 128 where the
   output has 16384 columns or more), 64 output columns from 8192 outputs (nvfp4: from 16384),
-  4 warps, 3 stages (nvfp4: 2), fitted to shared memory. Measured on an H100 (9B shapes, 1 and 4
-  rows): wider K tiles spill the unpacked weights from registers (w4a4 12352x4096: 72 us at 1024
-  columns, 47 at 256; nvfp4: 999 us against 109), and stages barely matter (by all signs the
-  unpacking arithmetic bounds the tile, not memory latency).
+  4 warps, 3 stages (nvfp4: 2), fitted to shared memory: wider K tiles spill the unpacked weights
+  from registers, and stages barely matter (the unpacking arithmetic bounds the tile, not memory
+  latency).
 * 4-bit word tile (``gemv4w_config``, convrot_w4a4 on the FMA units): one warp, one stage (Triton
   pipelines no load that feeds no dot), vector loads of the words; 1-2 rows: 32 outputs x 256 columns
-  up to 8192 outputs, 8 x 512 below 16384, 16 x 512 above (on an H100 the fastest of
-  ``benchmarks/tune.py``'s grid at five 9B launches, 5% off it at gate/up); 3-4 rows 8 x 256, 5-8
+  up to 8192 outputs, 8 x 512 below 16384, 16 x 512 above (``benchmarks/tune.py``'s grid); 3-4 rows 8 x 256, 5-8
   rows 4 x 256 (the accumulators grow with the rows: wider tiles spill from registers under Triton
   3.9). Split-K (``gemv4w_split``):
   enough one-warp programs to keep the memory system busy, 16 per SM, a power of two up to 16 and
@@ -28,16 +26,16 @@ Inputs are a ``capabilities.DeviceRecord`` (None: the CPU interpreter, no limits
   row count; 16 outputs a warp; split products in 4 K ranges from K 8192. convrot_w4a4: 256 columns a
   K step (128 from 16384 outputs), 8 warps where the programs and K ranges number under 2 per SM,
   else 4. nvfp4 (about 45 SASS instructions a 32-bit word against 19 in this tile): 256 columns, 8
-  warps, 4 with K ranges. Measured on an H100 (``gemv4_tiles.py``, 9B shapes): convrot_w4a4 at 4 rows 1.4x the word
-  tile at the 4096-wide products, 2.2-3.0x at the others, and at 1 row it loses to the word tile at 4
-  of 5 launches, so its decode rows keep the word tile; nvfp4 1.3-1.6x the word tile at 1 row and
-  2.5-3.5x at 4, each pick within 5% of the fastest config timed.
+  warps, 4 with K ranges. convrot_w4a4's decode rows keep the word tile, which beats this one at one
+  row (``gemv4_tiles.py``).
 * Split-K: a product whose programs are too few to keep the memory system busy (fewer than 4 per
   SM for 8-bit weights, 2 for 16-bit) cuts K into the largest power of two of ranges that reaches
   it, at most 8 and at most one range per K tile.
 * Decode attention: about one program per SM over the grid; the largest K/V tile whose stages fit.
 * DeltaNet step: whole heads for one unrotated row, else 4 value-column blocks (4 warps each).
 * L2 prefetch: 8 MB of the next product's weight, at most a quarter of L2.
+
+The measurements behind these rules are in ``benchmarks/CHANGELOG.md``.
 """
 
 from __future__ import annotations
