@@ -10,8 +10,13 @@ cd "$(dirname "$0")/.."
 source scripts/cache_env.sh
 source scripts/venv.sh requirements-dev.txt
 .venv/bin/python -m ruff check .
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
 matrix="${QWEN35_FAST_COMFYUI_MATRIX:-$([ $# -eq 0 ] && echo 1 || echo 0)}"
+if [ "$matrix" != 0 ]; then
+  # the ComfyUI trees and their venv build (downloads and unpacking, cached) while the unit tests run;
+  # test_comfyui.sh waits for that build (comfyui_trees.sh holds a lock) and shows a failed one's error
+  bash scripts/comfyui_trees.sh >/dev/null 2>&1 &
+fi
+.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
 if [ "$matrix" != 0 ]; then
   bash scripts/test_comfyui.sh
 fi
