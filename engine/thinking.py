@@ -60,7 +60,8 @@ def as_budget(value) -> ThinkingBudget:
 class ThinkingLimit:
     """One generation's budget state. ``limit(generated, max_length)``: how many tokens the loops may
     generate now; ``forced(count)``: the id forced at the token after ``count`` generated ones, or None;
-    ``thinking_tokens(generated)`` / ``cut``: for the stats."""
+    ``apply(logits, first_count)``: those ids in the logits; ``thinking_tokens(generated)`` / ``cut``: for the
+    stats."""
 
     def __init__(self, budget: ThinkingBudget):
         self.budget = budget
@@ -89,13 +90,11 @@ class ThinkingLimit:
         """The id the token after ``count`` generated ones must be, or None."""
         return self._forced.get(count)
 
-    def forces(self, first_count: int, rows: int) -> bool:
-        """True when any of ``rows`` consecutive positions from ``first_count`` is forced."""
-        return any(c in self._forced for c in range(first_count, first_count + rows))
-
     def apply(self, logits: torch.Tensor, first_count: int) -> torch.Tensor:
         """logits ``[N,V]`` whose row i is drawn after ``first_count + i`` tokens; forced rows keep only
         their id (0 there, -inf elsewhere). Returns ``logits`` itself when no row is forced."""
+        if not self._forced:  # every step of a generation without a cut
+            return logits
         rows = [(i, t) for i in range(logits.shape[0]) if (t := self._forced.get(first_count + i)) is not None]
         if not rows:
             return logits
