@@ -348,12 +348,5 @@ def test_source_unchecked_tells_heads_read_by_ranges_from_extracted_ones(hub, re
 
     safety._rewrite(path, older)
     assert head_check.source_unchecked(str(path)) == head_check.RANGES_CHECKED
-    folder = tmp_path / "Qwen3.5-9B"
-    folder.mkdir()
-    for name, data in files.items():
-        (folder / name).write_bytes(data)
-    out = tmp_path / "extracted.safetensors"
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "extract_mtp_head.py"), str(folder), str(out)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
+    out = fetch_tests.extract_head(files, tmp_path)
     assert head_check.source_unchecked(str(out)) is None  # from complete files `hf download` checked

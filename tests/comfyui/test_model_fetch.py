@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,9 @@ from tests.oracles.tiny import add_mtp, make_tiny, save, to_layout
 
 pytest.importorskip("huggingface_hub")
 
+ROOT = Path(__file__).resolve().parents[2]
+EXTRACT_TOOL = ROOT / "tools" / "extract_mtp_head.py"
+MODEL_DIR = "Qwen3.5-9B"  # where extract_head writes the repo's files
 REPO = "Qwen/Qwen3.5-9B"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 PROMPTS = {"Qwen/Qwen-Image-2.1-PE-T2I": "You are the official text-to-image prompt enhancer.\n",
@@ -239,33 +245,35 @@ def test_pe_file_downloads_with_progress(hub, tmp_path):
         mf.fetch_pe_file("other.safetensors", str(dest))
 
 
-def test_extract_tool_ships_and_matches_the_download(hub, repo, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    files, sd = repo
-    root = Path(__file__).resolve().parents[2]
-    ignored = [line.strip().strip("/") for line in (root / ".comfyignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
-    assert "tools" not in ignored  # Registry installs keep the tool
-    folder = tmp_path / "Qwen3.5-9B"
+def extract_head(files: dict, tmp_path) -> Path:
+    """``tools/extract_mtp_head.py`` run on ``files`` (name -> bytes) written to ``tmp_path / MODEL_DIR``:
+    the path of the head it wrote (asserting it succeeded)."""
+    folder = tmp_path / MODEL_DIR
     folder.mkdir()
     for name, data in files.items():
         (folder / name).write_bytes(data)
     out = tmp_path / "extracted.safetensors"
-    run = subprocess.run([sys.executable, str(root / "tools" / "extract_mtp_head.py"), str(folder), str(out)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    run = subprocess.run([sys.executable, str(EXTRACT_TOOL), str(folder), str(out)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out
+
+
+def test_extract_tool_ships_and_matches_the_download(hub, repo, tmp_path):
+    files, sd = repo
+    ignored = [line.strip().strip("/") for line in (ROOT / ".comfyignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert "tools" not in ignored  # Registry installs keep the tool
+    out = extract_head(files, tmp_path)
     fetched = load_file(mf.fetch_mtp_head("9B", str(tmp_path / "te")))
-    extracted = load_file(str(out))
+    extracted = load_file(out)
     assert set(fetched) == set(extracted) and all(torch.equal(fetched[k], extracted[k]) for k in fetched)
     placed = tmp_path / "placed"
     placed.mkdir()
     (placed / "qwen3.5_9b_mtp_head.safetensors").write_bytes(out.read_bytes())
     hub.stop()  # an extracted head at the download's place is used as is (its recorded sha256 checks out)
     assert mf.fetch_mtp_head("9B", str(placed), expected_shapes=expected_shapes(sd)).startswith(str(placed))
-    bad = subprocess.run([sys.executable, str(root / "tools" / "extract_mtp_head.py"), str(folder / SHARDS[0]),
+    bad = subprocess.run([sys.executable, str(EXTRACT_TOOL), str(tmp_path / MODEL_DIR / SHARDS[0]),
                           str(tmp_path / "none.safetensors")], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no mtp.* tensors" in bad.stderr
     assert not (tmp_path / "none.safetensors").exists()
